@@ -1,0 +1,3 @@
+"""CLI commands: drafter (being written)."""
+
+from regen_service.cli.base import main  # noqa: F401

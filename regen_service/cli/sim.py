@@ -1,0 +1,3 @@
+"""CLI commands: sim (being written)."""
+
+from regen_service.cli.base import main  # noqa: F401

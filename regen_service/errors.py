@@ -1,0 +1,60 @@
+"""regen's exception hierarchy: retryable versus terminal, and terminal for what.
+
+Callers branch on these types (never on message text). The endpoint client maps HTTP status codes
+and stream events onto them; the worker records terminal row errors on the row and moves on.
+"""
+
+from __future__ import annotations
+
+
+class RegenError(Exception):
+    """Base of every error regen raises on purpose."""
+
+
+class ConfigError(RegenError):
+    """Bad configuration or input given by the operator; the message says which field and how to fix it."""
+
+
+class RetryableError(RegenError):
+    """Worth another attempt (possibly on another endpoint): connection errors, timeouts, 5xx, stalls."""
+
+    def __init__(self, message: str, *, status_code: int | None = None, endpoint: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.endpoint = endpoint
+
+
+class TerminalError(RegenError):
+    """Retrying cannot help."""
+
+
+class RowTerminalError(TerminalError):
+    """This row cannot be answered (prompt longer than the context, other 4xx): record it on the row."""
+
+    def __init__(self, message: str, *, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class EndpointTerminalError(TerminalError):
+    """This endpoint must not be used again (401, wrong model served); other endpoints may still work."""
+
+    def __init__(self, message: str, *, endpoint: str | None = None):
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+class NoEndpointAvailableError(RetryableError):
+    """Every endpoint is ejected or unusable right now."""
+
+
+class RetriesExhaustedError(RegenError):
+    """A retryable failure that persisted past the configured attempts; `retry-failed` sends it again."""
+
+    def __init__(self, message: str, *, attempts: int):
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class LeaseLostError(RegenError):
+    """Another worker holds (or took over) the shard's lease; stop working on it without writing."""

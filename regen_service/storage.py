@@ -1,0 +1,141 @@
+"""The data root: where a run's files live, and how they are written so that readers never see half a file.
+
+Storage is the truth of a run (the ledger in Redis is a cache of it). The layout under the data root:
+
+    runs/<run_id>/mix.yaml                    the mix as given
+    runs/<run_id>/manifest.json               RunManifest (shards, per-source counts)
+    runs/<run_id>/prompts/shard-00000.parquet prompt shards (PROMPT_SCHEMA)
+    runs/<run_id>/quarantine.parquet          rows that could not be normalized, with reasons
+    runs/<run_id>/outputs/shard-00000.parquet final output shards (OUTPUT_SCHEMA)
+    runs/<run_id>/outputs/parts/shard-00000/part-<ts>-<n>.parquet   durable progress inside a shard
+
+Every file is written under a temporary name in the same folder and renamed into place. Local paths
+and any fsspec URL work; on object stores (no atomic rename) the final copy is still all-or-nothing
+per object. What to write is the caller's business.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.tables import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+
+
+class Storage:
+    """A thin wrapper over one fsspec filesystem rooted at the data root."""
+
+    def __init__(self, root: str):
+        self.fs, self.root = fsspec.core.url_to_fs(root)
+        self.root = self.root.rstrip("/")
+        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.url = root
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def ls(self, path: str) -> list[str]:
+        if not self.fs.exists(path):
+            return []
+        return sorted(self.fs.ls(path, detail=False))
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        parent = path.rsplit("/", 1)[0]
+        self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}"
+        if self.is_local:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, path)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open(path, "rb") as f:
+            return f.read()
+
+    def write_json_atomic(self, path: str, obj) -> None:
+        self.write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def read_json(self, path: str):
+        return json.loads(self.read_bytes(path))
+
+    def write_table_atomic(self, path: str, table: pa.Table) -> None:
+        meta = dict(table.schema.metadata or {})
+        meta[SCHEMA_VERSION_KEY] = SCHEMA_VERSION.encode()
+        table = table.replace_schema_metadata(meta)
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        self.write_bytes_atomic(path, buf.getvalue())
+
+    def read_table(self, path: str) -> pa.Table:
+        with self.fs.open(path, "rb") as f:
+            table = pq.read_table(f)
+        version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY, b"?").decode()
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"{path}: schema version {version}, this regen reads {SCHEMA_VERSION}; "
+                "use the regen release that wrote it"
+            )
+        return table
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=recursive)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths of one run's files."""
+
+    storage: Storage
+    run_id: str
+
+    @property
+    def run_dir(self) -> str:
+        return self.storage.path("runs", self.run_id)
+
+    @property
+    def mix_path(self) -> str:
+        return f"{self.run_dir}/mix.yaml"
+
+    @property
+    def manifest_path(self) -> str:
+        return f"{self.run_dir}/manifest.json"
+
+    @property
+    def quarantine_path(self) -> str:
+        return f"{self.run_dir}/quarantine.parquet"
+
+    @property
+    def outputs_dir(self) -> str:
+        return f"{self.run_dir}/outputs"
+
+    def prompt_shard(self, shard_id: int) -> str:
+        return f"{self.run_dir}/prompts/shard-{shard_id:05d}.parquet"
+
+    def output_shard(self, shard_id: int) -> str:
+        return f"{self.outputs_dir}/shard-{shard_id:05d}.parquet"
+
+    def parts_dir(self, shard_id: int) -> str:
+        return f"{self.outputs_dir}/parts/shard-{shard_id:05d}"
+
+    def list_runs(self) -> list[str]:
+        return [p.rsplit("/", 1)[1] for p in self.storage.ls(self.storage.path("runs"))]

@@ -1,0 +1,54 @@
+"""The contract layer of regen: pydantic models and pyarrow schemas shared by every process.
+
+Producers, workers, the trainer and operators' tools agree on these shapes and nothing else.
+This package imports pydantic, pyarrow and the standard library only (no celery, httpx or torch),
+so that any process can read a run's files without pulling in the service.
+"""
+
+from schemas.conversation import (
+    Conversation,
+    Message,
+    PromptRecord,
+    Role,
+    ToolCall,
+    compute_prompt_id,
+)
+from schemas.mix import (
+    HFSourceSpec,
+    MixSpec,
+    RegenerateSpec,
+    SamplingSpec,
+    SourceSpec,
+    TargetSpec,
+    load_mix,
+)
+from schemas.records import RunManifest, ShardDoneEvent, SourceStats
+from schemas.tables import (
+    OUTPUT_SCHEMA,
+    PROMPT_SCHEMA,
+    QUARANTINE_SCHEMA,
+    SCHEMA_VERSION,
+)
+
+__all__ = [
+    "OUTPUT_SCHEMA",
+    "PROMPT_SCHEMA",
+    "QUARANTINE_SCHEMA",
+    "SCHEMA_VERSION",
+    "Conversation",
+    "HFSourceSpec",
+    "Message",
+    "MixSpec",
+    "PromptRecord",
+    "RegenerateSpec",
+    "Role",
+    "RunManifest",
+    "SamplingSpec",
+    "ShardDoneEvent",
+    "SourceSpec",
+    "SourceStats",
+    "TargetSpec",
+    "ToolCall",
+    "compute_prompt_id",
+    "load_mix",
+]

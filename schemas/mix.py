@@ -1,0 +1,171 @@
+"""The dataset mix: what to regenerate, against which target, with which settings.
+
+A mix is a YAML file validated once (extra keys are errors, so a typo never silently means "default").
+`load_mix` turns pydantic's errors into lines that name the field and what it accepts. Reading the
+datasets the mix names is the sources' job (regen_service.sources), not this module's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Api = Literal["chat", "generate"]
+Turns = Literal["all", "last"]
+Thinking = Literal["keep", "strip", "off"]
+Format = Literal["sharegpt", "messages", "instruction", "prompt_response", "pretokenized"]
+
+NAME_PATTERN = r"^[a-z0-9_-]+$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetSpec(_Strict):
+    model: str = Field(min_length=1, description="served model name; must match what the endpoint reports")
+    api: Api = "chat"
+    tokenizer: str | None = Field(
+        default=None, description="local tokenizer path; required for api: generate (chat template client side)"
+    )
+
+    @model_validator(mode="after")
+    def _generate_needs_tokenizer(self) -> TargetSpec:
+        if self.api == "generate" and not self.tokenizer:
+            raise ValueError(
+                "api: generate builds input_ids client side and needs target.tokenizer "
+                "(a local path to the target's tokenizer); set it, or use api: chat"
+            )
+        return self
+
+
+class SamplingSpec(_Strict):
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_new_tokens: int = Field(default=16384, ge=1)
+    seed: int | None = None
+
+    def settings_hash(self) -> str:
+        """Short hash of the sampling settings; part of what makes an answer reusable."""
+        blob = json.dumps(self.model_dump(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class RegenerateSpec(_Strict):
+    turns: Turns = "all"
+    thinking: Thinking = "keep"
+
+
+class HFSourceSpec(BaseModel):
+    """Arguments for datasets.load_dataset; `path` and `split` are required, the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    path: str
+    split: str = "train"
+
+
+class SourceSpec(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    path: str | None = Field(default=None, description=".json, .jsonl or .parquet; relative to the mix file")
+    hf: HFSourceSpec | None = None
+    format: Format
+    max_samples: int | None = Field(default=None, ge=1)
+    fields: dict[str, str] = Field(default_factory=dict, description="renames: {canonical_field: dataset_field}")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> SourceSpec:
+        if (self.path is None) == (self.hf is None):
+            raise ValueError(f"source {self.name!r}: give exactly one of `path` (a local file) or `hf` (load_dataset args)")
+        if self.path is not None and not self.path.endswith((".json", ".jsonl", ".parquet")):
+            raise ValueError(f"source {self.name!r}: path must end in .json, .jsonl or .parquet, got {self.path!r}")
+        return self
+
+
+class MixSpec(_Strict):
+    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits, '_' and '-'")
+    target: TargetSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    regenerate: RegenerateSpec = Field(default_factory=RegenerateSpec)
+    shard_size: int = Field(default=256, ge=1, le=100_000)
+    seed: int = 0
+    sources: list[SourceSpec] = Field(min_length=1)
+    # where relative paths resolve; set by load_mix, not by the YAML
+    base_dir: str | None = Field(default=None, exclude=True)
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, sources: list[SourceSpec]) -> list[SourceSpec]:
+        names = [s.name for s in sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"source names must be unique; repeated: {dupes}")
+        return sources
+
+    def resolve(self, relative: str) -> str:
+        """A path from the mix, made absolute against the mix file's folder (URLs pass through)."""
+        if "://" in relative or Path(relative).is_absolute() or self.base_dir is None:
+            return relative
+        return str(Path(self.base_dir) / relative)
+
+    def regen_key(self) -> str:
+        """What makes two answers interchangeable: model, api, sampling and regeneration settings."""
+        blob = json.dumps(
+            {
+                "model": self.target.model,
+                "api": self.target.api,
+                "sampling": self.sampling.model_dump(),
+                "regenerate": self.regenerate.model_dump(),
+            },
+            sort_keys=True,
+        ).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class MixError(ValueError):
+    """A mix file that cannot be used; the message lists every problem with its field path."""
+
+
+def format_validation_error(err: ValidationError, where: str) -> str:
+    lines = [f"{where}: {err.error_count()} problem(s) in the mix:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling (see the mix reference in the README)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  - {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_mix(data: Any, *, where: str = "mix", base_dir: str | None = None) -> MixSpec:
+    if not isinstance(data, dict):
+        raise MixError(f"{where}: the mix must be a YAML mapping with name, target, sources; got {type(data).__name__}")
+    try:
+        mix = MixSpec.model_validate(data)
+    except ValidationError as err:
+        raise MixError(format_validation_error(err, where)) from None
+    mix.base_dir = base_dir
+    return mix
+
+
+def load_mix(path: str | Path) -> MixSpec:
+    """Read and validate a mix file; relative source paths resolve against its folder."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise MixError(f"{p}: cannot read the mix file ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise MixError(f"{p}: not valid YAML: {err}") from None
+    return parse_mix(data, where=str(p), base_dir=str(p.resolve().parent))

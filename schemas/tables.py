@@ -1,0 +1,99 @@
+"""pyarrow schemas of the files a run writes: prompt shards, output shards, quarantine.
+
+Every file carries SCHEMA_VERSION in its metadata (key b"regen.schema_version"); readers check it.
+Conversion between these tables and the pydantic records lives in regen_service.rows.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+SCHEMA_VERSION_KEY = b"regen.schema_version"
+
+TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
+MESSAGE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),
+        ("tool_calls", pa.list_(TOOL_CALL)),
+        ("name", pa.string()),
+        ("tool_call_id", pa.string()),
+    ]
+)
+
+_META = {SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()}
+
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("row_index", pa.int64()),
+        ("messages", pa.list_(MESSAGE)),
+        ("tools", pa.string()),  # JSON list of OpenAI function schemas, or null
+        ("input_ids", pa.list_(pa.int32())),  # pretokenized passthrough only
+        ("loss_mask", pa.list_(pa.int8())),
+        ("num_dropped_parts", pa.int32()),
+    ],
+    metadata=_META,
+)
+
+# One regenerated assistant turn: what the server returned for it, unchanged.
+TURN = pa.struct(
+    [
+        ("message_index", pa.int32()),  # index of this assistant turn in `messages`
+        ("text", pa.string()),  # raw text as generated (thinking included when the server sent it)
+        ("output_ids", pa.list_(pa.int32())),  # api generate: the server's output_ids, as sent
+        ("finish_reason", pa.string()),  # stop | length | tool_calls | abort
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("ttft_s", pa.float64()),
+        ("decode_tok_s", pa.float64()),
+        ("latency_s", pa.float64()),
+        ("endpoint", pa.string()),
+        ("attempts", pa.int32()),
+    ]
+)
+
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("row_index", pa.int64()),
+        ("messages", pa.list_(MESSAGE)),  # the regenerated conversation
+        ("tools", pa.string()),
+        ("turns", pa.list_(TURN)),
+        # Token-exact sequence: pretokenized passthrough, or (api generate) the last request's prompt ids
+        # followed by its output ids, with loss_mask 1 on every assistant output span found in it.
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("finish_reason", pa.string()),  # of the last turn
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),  # summed over turns
+        ("endpoint", pa.string()),
+        ("model", pa.string()),
+        ("api", pa.string()),
+        ("sampling_hash", pa.string()),
+        ("regen_key", pa.string()),
+        ("attempts", pa.int32()),
+        ("latency_s", pa.float64()),
+        ("ttft_s", pa.float64()),
+        ("decode_tok_s", pa.float64()),
+        ("error", pa.string()),  # null when the row was answered
+        ("error_class", pa.string()),  # terminal_row | terminal_endpoint | retries_exhausted
+        ("reused_from", pa.string()),  # run id the answer was reused from, or null
+    ],
+    metadata=_META,
+)
+
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("row_index", pa.int64()),
+        ("reason", pa.string()),
+        ("raw", pa.string()),  # the row as read, truncated to 4 KiB
+    ],
+    metadata=_META,
+)
