@@ -37,7 +37,9 @@ class Settings(BaseModel):
     def _redis_scheme(cls, v: str) -> str:
         scheme = urlsplit(v).scheme
         if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"REGEN_REDIS_URL must start with redis://, rediss:// or unix://, got {scheme!r}://")
+            raise ValueError(
+                f"REGEN_REDIS_URL must start with redis://, rediss:// or unix://, got {scheme!r}://"
+            )
         return v
 
     @classmethod

@@ -35,7 +35,9 @@ class Storage:
     def __init__(self, root: str):
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.root = self.root.rstrip("/")
-        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.is_local = "file" in (
+            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        )
         self.url = root
 
     def path(self, *parts: str) -> str:

@@ -49,7 +49,9 @@ class Conversation(BaseModel):
     def _has_a_user_turn(self) -> Conversation:
         roles = [m.role for m in self.messages]
         if "user" not in roles:
-            raise ValueError(f"conversation has no user turn (roles: {roles}); nothing to prompt the target with")
+            raise ValueError(
+                f"conversation has no user turn (roles: {roles}); nothing to prompt the target with"
+            )
         return self
 
     def canonical_json(self) -> str:
@@ -96,6 +98,8 @@ class PromptRecord(BaseModel):
     def _one_payload(self) -> PromptRecord:
         if (self.conversation is None) == (self.input_ids is None):
             raise ValueError("a prompt record holds either a conversation or input_ids, not both or neither")
-        if self.input_ids is not None and (self.loss_mask is None or len(self.loss_mask) != len(self.input_ids)):
+        if self.input_ids is not None and (
+            self.loss_mask is None or len(self.loss_mask) != len(self.input_ids)
+        ):
             raise ValueError("pretokenized rows need a loss_mask of the same length as input_ids")
         return self

@@ -31,7 +31,8 @@ class TargetSpec(_Strict):
     model: str = Field(min_length=1, description="served model name; must match what the endpoint reports")
     api: Api = "chat"
     tokenizer: str | None = Field(
-        default=None, description="local tokenizer path; required for api: generate (chat template client side)"
+        default=None,
+        description="local tokenizer path; required for api: generate (chat template client side)",
     )
 
     @model_validator(mode="after")
@@ -78,14 +79,20 @@ class SourceSpec(_Strict):
     hf: HFSourceSpec | None = None
     format: Format
     max_samples: int | None = Field(default=None, ge=1)
-    fields: dict[str, str] = Field(default_factory=dict, description="renames: {canonical_field: dataset_field}")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="renames: {canonical_field: dataset_field}"
+    )
 
     @model_validator(mode="after")
     def _one_location(self) -> SourceSpec:
         if (self.path is None) == (self.hf is None):
-            raise ValueError(f"source {self.name!r}: give exactly one of `path` (a local file) or `hf` (load_dataset args)")
+            raise ValueError(
+                f"source {self.name!r}: give exactly one of `path` (a local file) or `hf` (load_dataset args)"
+            )
         if self.path is not None and not self.path.endswith((".json", ".jsonl", ".parquet")):
-            raise ValueError(f"source {self.name!r}: path must end in .json, .jsonl or .parquet, got {self.path!r}")
+            raise ValueError(
+                f"source {self.name!r}: path must end in .json, .jsonl or .parquet, got {self.path!r}"
+            )
         return self
 
 
@@ -148,7 +155,9 @@ def format_validation_error(err: ValidationError, where: str) -> str:
 
 def parse_mix(data: Any, *, where: str = "mix", base_dir: str | None = None) -> MixSpec:
     if not isinstance(data, dict):
-        raise MixError(f"{where}: the mix must be a YAML mapping with name, target, sources; got {type(data).__name__}")
+        raise MixError(
+            f"{where}: the mix must be a YAML mapping with name, target, sources; got {type(data).__name__}"
+        )
     try:
         mix = MixSpec.model_validate(data)
     except ValidationError as err:

@@ -86,3 +86,37 @@ def sim_server(*args: str, log: Path | None = None, port: int | None = None) -> 
         yield url
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def worker_process(
+    env: dict, *endpoints: str, log: Path | None = None, extra: tuple[str, ...] = ()
+) -> Iterator[subprocess.Popen]:
+    """Run `regen worker --endpoint URL...` (a real Celery worker) with the test's settings in env."""
+    args = []
+    for e in endpoints:
+        args += ["--endpoint", e]
+    proc = spawn(regen_cmd("worker", *args, *extra), env=env, log=log)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def wait_run_done(settings, run_id: str, timeout_s: float = 120.0, procs: tuple = ()) -> dict:
+    """Poll the ledger until the run is done; fail fast if a process the test started died."""
+    from regen_service.ledger import Ledger
+    from regen_service.status import run_status
+
+    ledger = Ledger(settings)
+    deadline = time.monotonic() + timeout_s
+    st = None
+    while time.monotonic() < deadline:
+        st = run_status(ledger, run_id)
+        if st and st["state"] == "done":
+            return st
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a process exited with {p.returncode} while waiting for {run_id}")
+        time.sleep(0.3)
+    raise TimeoutError(f"run {run_id} not done in {timeout_s}s: {st}")

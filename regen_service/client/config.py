@@ -1,0 +1,61 @@
+"""PoolConfig: how the endpoint pool connects, limits, times out, retries and ejects.
+
+One validated model (extra keys are errors) that the worker builds from its command line. Units are
+in the field names. Reading the API key from the environment or a file is auth.py's job; turning
+this config into live endpoints is pool.py's.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    endpoints: list[str] = Field(min_length=1, description="SGLang base URLs, e.g. http://gpu-1:30000")
+    # Sent as `Authorization: Bearer`; SecretStr keeps it out of repr() and logs.
+    api_key: SecretStr | None = None
+
+    # None: the server's max_running_requests * inflight_factor (so its queue never runs dry between
+    # our requests), capped by running + max_queued_requests so we never provoke "queue full" 503s.
+    max_inflight_per_endpoint: int | None = Field(default=None, ge=1)
+    inflight_factor: float = Field(default=2.0, ge=1.0)
+    default_inflight_per_endpoint: int = Field(default=64, ge=1, description="when the server reports no limits")
+
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Non-streaming requests only: the whole answer arrives at the end, so this must cover a full
+    # generation (None: no limit besides request_timeout_s).
+    read_timeout_s: float | None = Field(default=None, gt=0)
+    # Streaming: no byte for this long means the request is stuck (retryable).
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    # One attempt, end to end (None: unbounded; stalls are caught by stall_timeout_s).
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    control_timeout_s: float = Field(default=10.0, gt=0, description="health, info and model checks")
+
+    max_attempts: int = Field(default=6, ge=1)
+    backoff_initial_s: float = Field(default=0.5, ge=0)
+    backoff_max_s: float = Field(default=20.0, ge=0)
+    backoff_jitter_s: float = Field(default=0.5, ge=0)
+
+    # Consecutive retryable failures that eject an endpoint (a refused connection ejects at once).
+    breaker_failure_threshold: int = Field(default=5, ge=1)
+    breaker_probe_initial_s: float = Field(default=0.5, gt=0)
+    breaker_probe_max_s: float = Field(default=15.0, gt=0)
+
+    stream: bool = True
+    # The server runs with --incremental-streaming-output: stream events carry deltas, not totals.
+    incremental_stream: bool = False
+    health_check_on_start: bool = True
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        out = []
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"endpoint {url!r} must start with http:// or https://")
+            out.append(url.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError(f"endpoints repeat: {out}")
+        return out

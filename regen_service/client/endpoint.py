@@ -1,0 +1,285 @@
+"""One SGLang endpoint: health and model checks, limits, one request attempt, and its circuit breaker.
+
+`check` runs /health, the model check (/get_model_info, /v1/models, server_info's served name) and
+reads limits from /get_server_info. `send` makes one attempt on either API and returns a Completion
+or raises a classified error (http.py). The breaker ejects the endpoint after
+`breaker_failure_threshold` consecutive retryable failures, or at once on a refused connection, and
+probes /health with exponential backoff; a probe that passes re-runs `check` before the endpoint
+takes traffic again. Routing and retries across endpoints are pool.py's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from regen_service.client import metrics
+from regen_service.client.auth import auth_headers, scrub
+from regen_service.client.config import PoolConfig
+from regen_service.client.http import (
+    Completion,
+    ConnectionRefusedRetryable,
+    RetryableError,
+    make_client,
+    raise_for_status,
+)
+from regen_service.client.streams import (
+    ChatStream,
+    GenerateStream,
+    chat_message_completion,
+    generate_completion_from_body,
+    sse_events,
+)
+from regen_service.errors import EndpointTerminalError, RowTerminalError
+from regen_service.settings import redact_url
+
+log = logging.getLogger(__name__)
+
+
+class WrongModelError(EndpointTerminalError):
+    """The endpoint serves another model than the mix's target: the pool refuses to start."""
+
+
+def _same_model(served: str, target: str) -> bool:
+    # A local checkpoint path (/models/Kimi-K2.5) serves the same model as its hub id (org/Kimi-K2.5).
+    return served == target or served.rstrip("/").rsplit("/", 1)[-1] == target.rstrip("/").rsplit("/", 1)[-1]
+
+
+class Endpoint:
+    def __init__(
+        self, url: str, config: PoolConfig, target_model: str, on_change: Callable[[], Awaitable[None]]
+    ) -> None:
+        self.url = url
+        self._target = target_model
+        self.label = redact_url(url)
+        self.config = config
+        self._on_change = on_change
+        self._headers = {"Content-Type": "application/json", **auth_headers(config.api_key)}
+        self.limit = config.max_inflight_per_endpoint or config.default_inflight_per_endpoint
+        self.context_length: int | None = None
+        self.max_input_len: int | None = None
+        self.server_info: dict = {}
+        self.inflight = 0
+        self.healthy = False
+        self.ejected = False
+        self.stopped_reason: str | None = None
+        self.consecutive_failures = 0
+        self.errors: Counter[str] = Counter()
+        self._control: httpx.AsyncClient | None = None
+        self._data: httpx.AsyncClient | None = None
+        self._probe: asyncio.Task | None = None
+
+    # --- state -------------------------------------------------------------------------------
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_reason is not None
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.ejected and not self.stopped
+
+    def snapshot(self) -> dict:
+        return {
+            "url": self.label,
+            "healthy": self.healthy,
+            "ejected": self.ejected,
+            "stopped": self.stopped_reason,
+            "inflight": self.inflight,
+            "limit": self.limit,
+            "context_length": self.context_length,
+            "errors": dict(self.errors),
+        }
+
+    def _health_metric(self) -> None:
+        metrics.HEALTH.labels(self.label).set(-1 if self.stopped else (1 if self.usable else 0))
+        metrics.INFLIGHT_LIMIT.labels(self.label).set(self.limit)
+
+    def count_error(self, error_class: str) -> None:
+        self.errors[error_class] += 1
+        metrics.ERRORS.labels(self.label, error_class).inc()
+
+    def stop(self, reason: str) -> None:
+        """Never use this endpoint again (401, wrong model)."""
+        if self.stopped:
+            return
+        self.stopped_reason = scrub(reason, self.config.api_key)
+        log.error("endpoint %s stopped: %s", self.label, self.stopped_reason)
+        self._health_metric()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def open(self) -> None:
+        c = self.config
+        # A small separate pool for health probes: they must not queue behind saturated data traffic.
+        self._control = make_client(self.url, self._headers, connections=2, connect_s=c.connect_timeout_s, read_s=c.control_timeout_s)
+        self._data = make_client(self.url, self._headers, connections=self.limit + 2, connect_s=c.connect_timeout_s, read_s=c.read_timeout_s)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+        for client in (self._control, self._data):
+            if client is not None:
+                await client.aclose()
+
+    async def _get(self, path: str) -> httpx.Response | None:
+        """GET a control path; None when it does not exist (404), errors classified otherwise."""
+        try:
+            resp = await self._control.get(path)
+        except httpx.ConnectError as e:
+            raise ConnectionRefusedRetryable(f"{self.label}{path}: cannot connect ({e})", endpoint=self.label) from None
+        except httpx.HTTPError as e:
+            raise RetryableError(f"{self.label}{path}: {type(e).__name__} {e}", endpoint=self.label) from None
+        if resp.status_code == 404:
+            return None
+        raise_for_status(resp, resp.content, f"{self.label}{path}")
+        return resp
+
+    async def check(self, target_model: str) -> None:
+        """Health, served model and limits. Raises EndpointTerminalError (and stops) on a wrong model or key."""
+        try:
+            await self._get("/health")
+            served = await self._served_models()
+            if served and not any(_same_model(s, target_model) for s in served):
+                raise WrongModelError(
+                    f"{self.label} serves {sorted(served)}, not the target model {target_model!r}", endpoint=self.label
+                )
+            await self._read_limits()
+        except EndpointTerminalError as e:
+            self.stop(str(e))
+            raise
+        self.healthy = True
+        self._health_metric()
+
+    async def _served_models(self) -> set[str]:
+        served: set[str] = set()
+        for path in ("/get_model_info", "/model_info"):
+            resp = await self._get(path)
+            if resp is not None:
+                info = resp.json()
+                served.add(info.get("served_model_name") or info.get("model_path") or "")
+                break
+        resp = await self._get("/v1/models")
+        if resp is not None:
+            for m in resp.json().get("data") or []:
+                served.add(m.get("id") or "")
+                self.context_length = self.context_length or m.get("max_model_len")
+        return {s for s in served if s}
+
+    async def _read_limits(self) -> None:
+        info: dict = {}
+        for path in ("/get_server_info", "/server_info"):
+            resp = await self._get(path)
+            if resp is not None:
+                info = resp.json()
+                break
+        self.server_info = info
+        self.context_length = info.get("context_length") or self.context_length
+        self.max_input_len = info.get("max_req_input_len")
+        running = info.get("max_running_requests")
+        if self.config.max_inflight_per_endpoint is None and isinstance(running, int) and running > 0:
+            limit = int(running * self.config.inflight_factor)
+            queued = info.get("max_queued_requests")
+            if isinstance(queued, int) and queued >= 0:
+                limit = min(limit, running + queued)  # never provoke "queue full" ourselves
+            if limit != self.limit:
+                self.limit = max(1, limit)
+                old, self._data = self._data, make_client(
+                    self.url, self._headers, connections=self.limit + 2,
+                    connect_s=self.config.connect_timeout_s, read_s=self.config.read_timeout_s,
+                )  # fmt: skip
+                if old is not None:
+                    await old.aclose()
+
+    # --- breaker -----------------------------------------------------------------------------
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+
+    def record_failure(self, exc: RetryableError) -> None:
+        self.consecutive_failures += 1
+        if isinstance(exc, ConnectionRefusedRetryable) or self.consecutive_failures >= self.config.breaker_failure_threshold:
+            self.eject(str(exc))
+
+    def eject(self, why: str) -> None:
+        if self.ejected or self.stopped:
+            return
+        self.ejected = True
+        log.warning("endpoint %s ejected after %d failure(s): %s", self.label, self.consecutive_failures, why)
+        self._health_metric()
+        self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        delay = self.config.breaker_probe_initial_s
+        while not self.stopped:
+            await asyncio.sleep(delay)
+            try:
+                await self.check(self._target)
+            except EndpointTerminalError:
+                break
+            except Exception as e:  # any failure to answer means: still down
+                log.debug("probe of %s failed: %s", self.label, e)
+                delay = min(delay * 2, self.config.breaker_probe_max_s)
+                continue
+            self.ejected = False
+            self.consecutive_failures = 0
+            log.warning("endpoint %s is back", self.label)
+            self._health_metric()
+            break
+        self._probe = None
+        await self._on_change()
+
+    def start_probing(self, why: str) -> None:
+        """For an endpoint found down at start: eject it and let the probe bring it in."""
+        self.eject(f"down at start: {why}")
+
+    # --- one attempt -------------------------------------------------------------------------
+    async def send(self, api: str, payload: dict, *, stream: bool, prompt_len: int | None = None) -> Completion:
+        if prompt_len is not None:
+            self._check_length(prompt_len)
+        path = "/generate" if api == "generate" else "/v1/chat/completions"
+        body = {**payload, "stream": stream}
+        if stream and api == "chat":
+            body["stream_options"] = {"include_usage": True}
+        try:
+            coro = self._stream(path, api, body) if stream else self._once(path, api, body)
+            return await asyncio.wait_for(coro, self.config.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise RetryableError(f"{self.label} took longer than request_timeout_s", endpoint=self.label) from None
+        except httpx.ConnectError as e:
+            raise ConnectionRefusedRetryable(f"{self.label}: cannot connect ({e})", endpoint=self.label) from None
+        except httpx.HTTPError as e:  # timeouts, resets, disconnects mid-stream
+            raise RetryableError(f"{self.label}: {type(e).__name__} {e}".strip(), endpoint=self.label) from None
+
+    def _check_length(self, n: int) -> None:
+        # SGLang rejects input_len >= context_length (and > max_req_input_len): do it without a request.
+        ctx, cap = self.context_length, self.max_input_len
+        if (ctx and n >= ctx) or (cap and n > cap):
+            raise RowTerminalError(
+                f"The input ({n} tokens) is longer than the model's context length ({ctx or cap} tokens) "
+                f"reported by {self.label}; not sent",
+                status_code=400,
+            )
+
+    async def _once(self, path: str, api: str, body: dict) -> Completion:
+        t0 = time.monotonic()
+        resp = await self._data.post(path, json=body)
+        raise_for_status(resp, resp.content, self.label)
+        data = resp.json()
+        c = generate_completion_from_body(data, self.label) if api == "generate" else chat_message_completion(data, self.label)
+        c.latency_s = time.monotonic() - t0
+        if c.completion_tokens and c.latency_s > 0:
+            c.decode_tok_s = c.completion_tokens / c.latency_s
+        return c
+
+    async def _stream(self, path: str, api: str, body: dict) -> Completion:
+        acc = GenerateStream(self.label, self.config.incremental_stream) if api == "generate" else ChatStream(self.label)
+        async with self._data.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                raise_for_status(resp, await resp.aread(), self.label)
+            async for event in sse_events(resp.aiter_lines(), self.config.stall_timeout_s, self.label):
+                acc.feed(event)
+        return acc.result()

@@ -1,0 +1,139 @@
+"""What one request attempt produced, and how SGLang's HTTP answers map onto regen's error types.
+
+Classification is by status code and by the shape of the payload, never by message text:
+  2xx                         -> parse the body
+  401 / 403                   -> EndpointTerminalError (the key is wrong: stop using the endpoint)
+  408, 429, 5xx               -> RetryableError (503 "queue full", timeouts, overload)
+  other 4xx                   -> RowTerminalError (context length, bad request: never retried)
+An error object inside a 200 body or stream event follows its `code` / `status_code` the same way;
+one with no code at all is `UncodedStreamError` (retryable; the pool re-sends it without streaming so
+that SGLang reports the failure with a real status code; see pool.py). Parsing streams is streams.py's job.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+from regen_service.errors import EndpointTerminalError, RetryableError, RowTerminalError
+from schemas.conversation import ToolCall
+
+
+class UncodedStreamError(RetryableError):
+    """An in-stream error event without any status code (SGLang's native /generate stream does this)."""
+
+
+class ConnectionRefusedRetryable(RetryableError):
+    """The endpoint refused the connection: retry elsewhere and eject it at once."""
+
+
+class StallError(RetryableError):
+    """No byte arrived for stall_timeout_s while streaming."""
+
+
+@dataclass
+class Completion:
+    """One answered request, as the server sent it (text raw; output_ids untouched)."""
+
+    text: str = ""
+    content: str | None = None  # set when the server separated reasoning (chat API)
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    output_ids: list[int] | None = None
+    finish_reason: str | None = None
+    matched_stop: object = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    decode_tok_s: float | None = None
+    latency_s: float = 0.0
+    endpoint: str = ""
+    attempts: int = 1
+    meta: dict = field(default_factory=dict)
+
+
+def status_error(status: int, detail: str, endpoint: str) -> Exception:
+    """The regen error for a non-2xx status (or an in-body error code)."""
+    msg = f"{endpoint} answered {status}: {detail}"
+    if status in (401, 403):
+        return EndpointTerminalError(f"{endpoint} rejected the request ({status} {detail}); check the API key", endpoint=endpoint)
+    if status in (408, 429) or status >= 500:
+        return RetryableError(msg, status_code=status, endpoint=endpoint)
+    if 400 <= status < 500:
+        return RowTerminalError(msg, status_code=status)
+    return RetryableError(msg, status_code=status, endpoint=endpoint)
+
+
+def error_detail(body: bytes | str) -> str:
+    """The human message inside an SGLang error body ({"error": {...}}, {"message": ...} or text)."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:500]
+        return str(err)[:500]
+    return text.strip()[:500]
+
+
+def raise_for_status(resp: httpx.Response, body: bytes, endpoint: str) -> None:
+    if 200 <= resp.status_code < 300:
+        return
+    raise status_error(resp.status_code, error_detail(body), endpoint)
+
+
+def error_code(err: dict) -> int | None:
+    for key in ("code", "status_code"):
+        value = err.get(key)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
+
+
+def event_error(err: object, endpoint: str) -> Exception:
+    """The regen error for an `{"error": ...}` object found in a 200 body or a stream event."""
+    if not isinstance(err, dict):
+        return UncodedStreamError(f"{endpoint} sent an error event: {err}", endpoint=endpoint)
+    code = error_code(err)
+    detail = str(err.get("message") or err)[:500]
+    if code is None:
+        return UncodedStreamError(f"{endpoint} sent an error event without a code: {detail}", endpoint=endpoint)
+    return status_error(code, detail, endpoint)
+
+
+def check_abort(finish_reason: object, endpoint: str) -> None:
+    """A native `finish_reason` of type abort is a failure: 4xx status terminal for the row, else retry."""
+    if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
+        return
+    code = error_code(finish_reason)
+    detail = str(finish_reason.get("message") or "aborted")
+    if code is not None and 400 <= code < 500:
+        raise status_error(code, f"request aborted: {detail}", endpoint)
+    raise RetryableError(f"{endpoint} aborted the request ({code}): {detail}", status_code=code, endpoint=endpoint)
+
+
+def finish_type(finish_reason: object) -> str | None:
+    """Native finish_reason dicts and OpenAI strings, as one string (stop | length | tool_calls | abort)."""
+    if finish_reason is None:
+        return None
+    if isinstance(finish_reason, dict):
+        return str(finish_reason.get("type"))
+    return str(finish_reason)
+
+
+def make_client(base_url: str, headers: dict, *, connections: int, connect_s: float, read_s: float | None):
+    """An HTTP/1.1 keep-alive client whose pool holds `connections` sockets (the in-flight limit)."""
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers,
+        timeout=httpx.Timeout(connect=connect_s, read=read_s, write=connect_s, pool=None),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        http2=False,
+    )

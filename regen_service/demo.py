@@ -1,0 +1,154 @@
+"""`regen demo`: the whole pipeline on one machine, as the README's first command.
+
+Starts the simulator (instead of a GPU server) and one worker as separate processes, enqueues the
+bundled sample mix (five formats, planted bad rows, a small Kimi-style tokenizer), waits for the run,
+then prints where the shards are and a per-source summary read back from the Parquet files. Uses the
+Redis already running (REGEN_REDIS_URL) and the data root (REGEN_DATA_ROOT, default ./data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from regen_service.errors import ConfigError
+from regen_service.ledger import Ledger
+from regen_service.producer import enqueue
+from regen_service.settings import Settings
+from regen_service.status import run_status
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_MIX = DEMO_DIR / "mix.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+    cmd = [sys.executable, "-c", "from regen_service.cli import main; main()", *args]
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"the simulator exited early ({proc.returncode}); see {log_path}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise ConfigError(f"the simulator did not answer at {url} in {timeout_s:.0f}s; see {log_path}")
+
+
+def summarize(settings: Settings, run_id: str) -> str:
+    """Per-source counts read back from the run's files with `datasets`, as a user would check them."""
+    import datasets
+
+    from regen_service.runinfo import load_manifest
+    from regen_service.storage import RunLayout, Storage
+
+    layout = RunLayout(Storage(settings.data_root_resolved), run_id)
+    manifest = load_manifest(layout)
+    files = sorted(p for p in layout.storage.ls(layout.outputs_dir) if p.endswith(".parquet"))
+    ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    answered: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for src, err, tok in zip(ds["source"], ds["error"], ds["completion_tokens"], strict=False):
+        answered[src] = answered.get(src, 0) + (err is None)
+        errors[src] = errors.get(src, 0) + (err is not None)
+        tokens[src] = tokens.get(src, 0) + (tok or 0)
+    lines = [
+        f"run {run_id}: {len(ds)} rows in {len(files)} shards",
+        f"  output shards: {layout.outputs_dir}/shard-*.parquet",
+        f"  quarantine:    {layout.quarantine_path}",
+        f"  {'source':<20}{'read':>6}{'kept':>6}{'dup':>6}{'quar':>6}{'answered':>10}{'errors':>8}{'tokens':>9}",
+    ]
+    for name, st in manifest.sources.items():
+        lines.append(
+            f"  {name:<20}{st.read:>6}{st.kept:>6}{st.duplicate:>6}{st.quarantined:>6}"
+            f"{answered.get(name, 0):>10}{errors.get(name, 0):>8}{tokens.get(name, 0):>9}"
+        )
+    return "\n".join(lines)
+
+
+def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float = 300.0) -> int:
+    t0 = time.monotonic()
+    try:
+        redis.Redis.from_url(settings.redis_url).ping()
+    except redis.RedisError as e:
+        raise ConfigError(
+            f"Redis at {settings.redis_url_redacted} is not reachable ({e}). Start one with: "
+            'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no'
+        ) from None
+    mix = Path(mix_path) if mix_path else DEMO_MIX
+    logs = Path(settings.data_root_resolved) / "demo-logs"
+    env = {**os.environ, "REGEN_REDIS_URL": settings.redis_url, "REGEN_DATA_ROOT": settings.data_root_resolved,
+           "REGEN_KEY_PREFIX": settings.key_prefix}  # fmt: skip
+    port = _free_port()
+    sim = _spawn(
+        ["sim", "--port", str(port), "--tokenizer", str(DEMO_DIR / "tokenizer"), "--model", "moonshotai/Kimi-K2.5",
+         "--decode-tok-s", "400", "--max-running-requests", "64", "--answer-len-mean", "60", "--think-prob", "0.5",
+         "--tool-call-prob", "0.3"],
+        env, logs / "sim.log",
+    )  # fmt: skip
+    worker = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", sim, 60, logs / "sim.log")
+        print(f"simulator up at {url} (log: {logs / 'sim.log'})", flush=True)
+        worker = _spawn(["worker", "--endpoint", url, "--hostname", f"regen-demo@{socket.gethostname()}-{port}"],
+                        env, logs / "worker.log")  # fmt: skip
+        res = enqueue(settings, mix)
+        print(res.message, flush=True)
+        ledger = Ledger(settings)
+        last = ""
+        while True:
+            st = run_status(ledger, res.run_id)
+            line = f"  {st['state']}: {st['prompts_done']}/{st['prompts_total']} prompts, " \
+                   f"{st['shards_done']}/{st['shards_total']} shards, {st['tokens_per_s']} tok/s"  # fmt: skip
+            if line != last:
+                print(line, flush=True)
+                last = line
+            if st["state"] in ("done", "failed"):
+                break
+            if worker.poll() is not None:
+                raise ConfigError(f"the worker exited ({worker.returncode}); see {logs / 'worker.log'}")
+            if time.monotonic() - t0 > timeout_s:
+                raise ConfigError(f"the demo run did not finish in {timeout_s:.0f}s; see {logs}")
+            time.sleep(0.5)
+        print(summarize(settings, res.run_id), flush=True)
+        print(
+            f"demo finished in {time.monotonic() - t0:.1f}s; check it with: regen status {res.run_id}",
+            flush=True,
+        )
+        return 0 if st["state"] == "done" else 1
+    finally:
+        if worker is not None:
+            _stop(worker)
+        _stop(sim)

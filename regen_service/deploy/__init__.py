@@ -1,0 +1,1 @@
+"""Deployment helpers: SGLang's launch command with a draft preflight, and the speculative benchmark."""

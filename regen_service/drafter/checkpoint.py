@@ -1,0 +1,97 @@
+"""Trainer checkpoints: OUT/checkpoints/step-00000123/state.pt plus OUT/checkpoints/latest.
+
+The state is written into a temporary directory, fsynced and renamed into place; only then is the
+text file `latest` replaced (atomically) with the step directory's name, so a reader (a resuming
+trainer, `regen export`) never sees a half checkpoint. Keys of state.pt (a fixed contract; `regen
+export` reads them): draft_state_dict (SGLang names incl. d2t/t2d, no embed_tokens), draft_config,
+aux_layer_ids (layer INPUT indices captured), target_num_layers, optimizer, scheduler, step,
+train_config, consumed_shards (list of [run_id, shard_id]), in_progress (None, or the shard being
+trained and the next batch index in it), plus vocab_stats and target_path. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+REQUIRED_KEYS = (
+    "draft_state_dict",
+    "draft_config",
+    "aux_layer_ids",
+    "target_num_layers",
+    "optimizer",
+    "scheduler",
+    "step",
+    "train_config",
+    "consumed_shards",
+    "in_progress",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(out_dir: str | Path, state: dict, keep: int = 3) -> Path:
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint state lacks {missing}")
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(int(state["step"]))
+    tmp = root / f".tmp-{uuid.uuid4().hex[:8]}-{name}"
+    tmp.mkdir()
+    with open(tmp / "state.pt", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    final = root / name
+    if final.exists():  # same step saved again (e.g. a resumed trainer with no new step): replace
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
+    latest_tmp.write_text(name + "\n")
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    _prune(root, keep, name)
+    return final
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for p in steps[:-keep]:
+        if p.name != current:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp-*"):  # left by a trainer killed mid-write
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_path(out_dir: str | Path) -> Path | None:
+    root = Path(out_dir) / "checkpoints"
+    try:
+        name = (root / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    path = root / name / "state.pt"
+    return path if path.exists() else None
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def load_latest(out_dir: str | Path, map_location="cpu") -> dict | None:
+    path = latest_path(out_dir)
+    return None if path is None else load_checkpoint(path, map_location)

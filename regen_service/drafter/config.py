@@ -1,0 +1,73 @@
+"""The one training configuration (`train.yaml`): typed, strict, stored in every checkpoint.
+
+Unknown keys are errors (extra="forbid") so a misspelt field never silently trains with a default.
+Draft shapes default to the target's (hidden size, heads, intermediate size); set them here to
+override. What the fields mean is in docs/training.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from regen_service.errors import ConfigError
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # data
+    max_length: int = Field(default=2048, ge=8)
+    batch_size: int = Field(default=1, ge=1)  # sequences per rank per step
+    epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
+    seed: int = 0
+    # draft vocabulary: built from the first `vocab_shards` shards, or fewer once `vocab_tokens`
+    # loss-masked tokens were counted (0 = no token limit); then frozen
+    draft_vocab_size: int = Field(default=32000, ge=1)
+    vocab_shards: int = Field(default=1, ge=1)
+    vocab_tokens: int = Field(default=0, ge=0)
+    # target: layer INPUT indices to capture (SGLang's convention); None = [2, L//2, L-3]
+    aux_layer_ids: list[int] | None = None
+    # draft shapes; None = the target's
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    # training-time test
+    ttt_length: int = Field(default=7, ge=1)
+    ttt_decay: float = Field(default=0.8, gt=0, le=1)
+    # optimizer and schedule
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(default=0.015, ge=0, lt=1)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    # cosine length; None = estimated from the run's prompt count, epochs, batch size and ranks
+    total_steps: int | None = Field(default=None, ge=1)
+    grad_clip: float = Field(default=0.5, gt=0)
+    bf16: bool = True  # autocast on GPU; the CPU always runs fp32
+    # checkpoints: after every N consumed shards, and every N steps inside a shard (0 = off)
+    checkpoint_every_shards: int = Field(default=1, ge=1)
+    checkpoint_every_steps: int = Field(default=0, ge=0)
+    keep_checkpoints: int = Field(default=3, ge=1)
+    log_every_steps: int = Field(default=10, ge=1)
+    # stream: how long another consumer's pending shard must sit idle before we take it over
+    claim_idle_s: float = Field(default=600.0, gt=0)
+    poll_s: float = Field(default=2.0, gt=0)
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides) -> TrainConfig:
+        data: dict = {}
+        if path:
+            try:
+                data = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise ConfigError(f"--config {path}: {e}") from e
+            if not isinstance(data, dict):
+                raise ConfigError(f"--config {path}: expected a mapping of fields")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise ConfigError(f"train config {path or ''}: {e}") from e

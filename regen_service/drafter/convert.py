@@ -1,0 +1,166 @@
+"""Convert a vllm-project/speculators EAGLE-3 draft into SGLang's format, then validate it.
+
+speculators writes `layers.0.*` (SGLang: `midlayer.*`), `architectures: ["Eagle3Speculator"]`, the
+decoder dims under `transformer_layer_config`, and aux ids in vLLM's convention (captured layer
+INPUTS, default [2, L//2, L-3]); SGLang's loader would skip every `layers.0.*` tensor silently. The
+mapping is documented in docs/draft-checkpoints.md; SGLang's side is in sglang_format.py. Variants
+SGLang cannot express (norm_before_residual, norm_before_fc, several decoder layers) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from regen_service.drafter import sglang_format as fmt
+from regen_service.drafter.export import finalize, prepare_out, write_draft
+from regen_service.drafter.validate import DraftReport, validate_draft
+from regen_service.errors import ConfigError
+
+# Where speculators versions (and hand-written configs) put the aux layer ids; vLLM convention.
+_AUX_FIELDS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_hidden_state_layer_ids")
+_DROPPED = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+_LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "vocab_size",
+    "hidden_act",
+)
+
+
+def is_speculators_config(cfg: dict) -> bool:
+    return (
+        cfg.get("speculators_model_type") == "eagle3"
+        or "Eagle3Speculator" in (cfg.get("architectures") or [])
+        or "transformer_layer_config" in cfg
+    )
+
+
+def _aux_inputs(cfg: dict) -> list[int] | None:
+    for where in (cfg, cfg.get("speculators_config") or {}, cfg.get("eagle_config") or {}):
+        for field in _AUX_FIELDS:
+            if where.get(field) is not None:
+                return [int(i) for i in where[field]]
+    return None
+
+
+def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, list[str]]:
+    """SGLang config.json from a speculators config; returns (config, notes for the operator)."""
+    if not is_speculators_config(src_cfg):
+        raise ConfigError(
+            "source config.json is not a speculators EAGLE-3 config (no speculators_model_type 'eagle3', "
+            "no Eagle3Speculator architecture, no transformer_layer_config)"
+        )
+    if src_cfg.get("norm_before_residual"):
+        raise ConfigError(
+            "this draft was trained with norm_before_residual=true; SGLang's EAGLE-3 layer keeps the residual "
+            "before hidden_norm and would compute a different function. Retrain with norm_before_residual=false"
+        )
+    if src_cfg.get("norm_before_fc"):
+        raise ConfigError("this draft normalizes before fc (norm_before_fc, input_norm); SGLang has no such layer")
+    layer = src_cfg.get("transformer_layer_config") or {}
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise ConfigError(
+            f"the draft has {layer['num_hidden_layers']} decoder layers; regen converts one-layer EAGLE-3 drafts"
+        )
+    notes: list[str] = []
+    cfg: dict = {
+        "architectures": [fmt.ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **fmt.DEFAULT_CONFIG_FIELDS,
+    }
+    cfg.update({k: layer[k] for k in _LAYER_FIELDS if layer.get(k) is not None})
+    cfg["draft_vocab_size"] = int(src_cfg.get("draft_vocab_size") or cfg.get("vocab_size"))
+    cfg["target_hidden_size"] = int(src_cfg.get("target_hidden_size") or cfg.get("hidden_size"))
+    cfg["tie_word_embeddings"] = False
+    aux = _aux_inputs(src_cfg)
+    if aux is None and target is not None:
+        aux = fmt.default_aux_inputs(target.num_layers)
+        notes.append(f"no aux layer ids in the source: assumed vLLM's default inputs {aux}")
+    if aux is not None:
+        cfg["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": fmt.aux_inputs_to_config(aux),
+            "use_aux_hidden_state": True,
+        }
+        notes.append(f"aux layers: captured inputs {aux} -> SGLang config ids {fmt.aux_inputs_to_config(aux)}")
+    else:
+        notes.append("no aux layer ids in the source and no --target-config: SGLang will use its default")
+    return cfg, notes
+
+
+def convert_tensors(src: dict, cfg: dict, notes: list[str]) -> dict:
+    """Rename speculators tensors to SGLang's names; derive d2t/t2d from each other when one is missing."""
+    import torch
+
+    out = {}
+    for name, t in src.items():
+        key = fmt.canonical_key(name)
+        if key in _DROPPED:
+            continue
+        if key.startswith("layers."):
+            idx, _, rest = key[len("layers.") :].partition(".")
+            if idx != "0":
+                raise ConfigError(f"tensor {name}: regen converts one-layer drafts only")
+            key = f"midlayer.{rest}"
+        if key == "input_norm.weight":
+            raise ConfigError("the draft has input_norm (norm_before_fc); SGLang has no such layer")
+        if key == "fc.bias":
+            if not torch.any(t != 0):
+                notes.append("dropped fc.bias (all zeros)")
+                continue
+            cfg["bias"] = True  # SGLang builds fc with a bias only when the config says so
+        out[key] = t
+    if "d2t" not in out and "t2d" in out:
+        hot = torch.nonzero(out["t2d"].bool(), as_tuple=False).flatten().to(torch.int64)
+        out["d2t"] = hot - torch.arange(len(hot), dtype=torch.int64)
+        notes.append("derived d2t from t2d")
+    if "t2d" not in out and "d2t" in out:
+        t2d = torch.zeros(int(cfg["vocab_size"]), dtype=torch.bool)
+        hot = out["d2t"].to(torch.int64) + torch.arange(len(out["d2t"]), dtype=torch.int64)
+        if int(hot.min()) >= 0 and int(hot.max()) < len(t2d):
+            t2d[hot] = True
+            out["t2d"] = t2d
+            notes.append("derived t2d from d2t")
+    if "d2t" not in out and "t2d" not in out and cfg["draft_vocab_size"] == cfg.get("vocab_size"):
+        # Full vocabulary draft: the identity map is the right one.
+        out["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
+        out["t2d"] = torch.ones(cfg["vocab_size"], dtype=torch.bool)
+        notes.append("draft vocabulary = target vocabulary: wrote the identity d2t/t2d")
+    return out
+
+
+def convert_draft(
+    src: str | Path,
+    out: str | Path,
+    *,
+    target: fmt.TargetInfo | None = None,
+    dtype: str = "keep",
+    overwrite: bool = False,
+    keep_failed: bool = False,
+) -> tuple[DraftReport, list[str]]:
+    """Convert, validate, and move into place; raises ExportRefused when validation fails."""
+    from safetensors.torch import load_file
+
+    src = Path(src)
+    cfg_path = src / fmt.CONFIG_FILE
+    files = sorted(src.glob("*.safetensors"))
+    if not cfg_path.is_file() or not files:
+        raise ConfigError(f"{src} must hold config.json and *.safetensors (a speculators draft directory)")
+    cfg, notes = convert_config(json.loads(cfg_path.read_text()), target)
+    tensors: dict = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    tensors = convert_tensors(tensors, cfg, notes)
+    tmp = prepare_out(Path(out), overwrite)
+    write_draft(tmp, tensors, cfg, dtype, metadata={"regen_converted_from": str(src)})
+    report = validate_draft(tmp, target)
+    finalize(tmp, Path(out).resolve(), report, keep_failed, "conversion")
+    report.path = str(out)
+    return report, notes

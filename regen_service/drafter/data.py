@@ -1,0 +1,131 @@
+"""Output shards -> token ids + assistant-only loss masks -> padded batches.
+
+A row with token ids (`input_ids`/`loss_mask` non-null: api generate, or pretokenized) is used as
+is: those are the target's exact tokens. Any other row is rendered with the target tokenizer's chat
+template over `messages` and `tools` (thinking included wherever the template keeps it). The loss
+mask then covers every assistant turn: from the end of the template's assistant header (what
+`add_generation_prompt` appends) through the template's end-of-turn marker, both found once per
+tokenizer by rendering a probe conversation. Rows with an `error` are skipped; sequences are cut at
+max_length. Which shards to read, and when, is the trainer's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+_SENTINEL = "REGEN_PROBE_9f3b"
+
+
+@dataclass
+class Example:
+    ids: torch.Tensor  # int64 [T]
+    mask: torch.Tensor  # int64 [T], 1 on assistant tokens
+
+
+class ChatRenderer:
+    """Renders conversations with a tokenizer's chat template and marks assistant tokens."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        probe = [{"role": "user", "content": "ping"}]
+        with_gen = self._render(probe, add_generation_prompt=True)
+        self.header = with_gen[len(self._render(probe)) :]
+        done = self._render([*probe, {"role": "assistant", "content": _SENTINEL}])
+        self.end = done.split(_SENTINEL, 1)[1].strip() or (tokenizer.eos_token or "")
+
+    def _render(self, messages, tools=None, add_generation_prompt=False) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def spans(self, text: str, n_assistant: int) -> list[tuple[int, int]]:
+        # History turns may render a shorter header than the generation prompt (e.g. an empty
+        # "<think></think>" instead of "<think>"): use the longest header prefix found often enough.
+        header = self.header
+        while header and text.count(header) < n_assistant:
+            header = header[:-1]
+        if not header:
+            return []
+        out, pos = [], 0
+        while (start := text.find(header, pos)) >= 0:
+            start += len(header)
+            end = text.find(self.end, start) if self.end else -1
+            end = len(text) if end < 0 else end + len(self.end)
+            out.append((start, end))
+            pos = end
+        return out
+
+    def encode(self, messages: list[dict], tools: list | None) -> Example:
+        text = self._render(messages, tools=tools)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        n_asst = sum(1 for m in messages if m.get("role") == "assistant")
+        spans = self.spans(text, n_asst)
+        mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+        return Example(torch.tensor(enc["input_ids"], dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+
+
+def _clean_message(m: dict) -> dict:
+    out = {k: v for k, v in m.items() if v is not None}
+    out["content"] = m.get("content") or ""
+    if m.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": tc.get("id"), "type": "function", "function": {"name": tc["name"], "arguments": tc["arguments"]}}
+            for tc in m["tool_calls"]
+        ]
+    return out
+
+
+def table_examples(table: pa.Table, renderer_factory, max_length: int) -> tuple[list[Example], dict]:
+    """Rows of one output shard -> examples. renderer_factory() is only called if a row needs it."""
+    stats = {"rows": table.num_rows, "errors": 0, "token_rows": 0, "template_rows": 0, "no_loss": 0}
+    renderer = None
+    examples = []
+    cols = [c for c in ("messages", "tools", "input_ids", "loss_mask", "error") if c in table.column_names]
+    for row in table.select(cols).to_pylist():
+        if row.get("error"):
+            stats["errors"] += 1
+            continue
+        if row.get("input_ids") and row.get("loss_mask") is not None:
+            ex = Example(torch.tensor(row["input_ids"], dtype=torch.int64), torch.tensor(row["loss_mask"], dtype=torch.int64))
+            stats["token_rows"] += 1
+        else:
+            renderer = renderer or renderer_factory()
+            tools = json.loads(row["tools"]) if row.get("tools") else None
+            ex = renderer.encode([_clean_message(m) for m in row["messages"] or []], tools)
+            stats["template_rows"] += 1
+        ex = Example(ex.ids[:max_length], ex.mask[:max_length])
+        if int(ex.mask.sum()) == 0 or ex.ids.numel() < 2:
+            stats["no_loss"] += 1
+            continue
+        examples.append(ex)
+    return examples, stats
+
+
+def shuffled(examples: list[Example], seed: int, shard_id: int, epoch: int) -> list[Example]:
+    order = list(range(len(examples)))
+    random.Random(f"{seed}:{shard_id}:{epoch}").shuffle(order)
+    return [examples[i] for i in order]
+
+
+def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    t = max(e.ids.numel() for e in examples)
+    ids = torch.full((len(examples), t), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(examples), t), dtype=torch.int64)
+    attn = torch.zeros((len(examples), t), dtype=torch.int64)
+    for i, e in enumerate(examples):
+        n = e.ids.numel()
+        ids[i, :n], mask[i, :n], attn[i, :n] = e.ids, e.mask, 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def rank_batches(examples: list[Example], batch_size: int, rank: int, world: int) -> tuple[list, int]:
+    """This rank's batches (stride split) and the step count every rank runs (the longest share's)."""
+    mine = examples[rank::world]
+    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    longest = -(-len(examples[0::world]) // batch_size) if examples else 0
+    return batches, longest

@@ -1,0 +1,185 @@
+"""Export a trainer checkpoint as a draft SGLang loads: model.safetensors + config.json, then validate.
+
+Reads the trainer's contract (`checkpoints/step-NNNNNNNN/state.pt` holding `draft_state_dict`,
+`draft_config`, `aux_layer_ids` as captured layer INPUTS, `target_num_layers`); the trainer itself is
+someone else's. The files are written to a temporary sibling directory, validated with validate.py,
+and only moved into place when validation passes, so a half-right draft never sits where a launch
+script would pick it up. Names and config fields come from sglang_format.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from regen_service.drafter import sglang_format as fmt
+from regen_service.drafter.validate import DraftReport, validate_draft
+from regen_service.errors import ConfigError
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "keep")
+
+
+class ExportRefused(ConfigError):
+    """Validation found problems in the exported draft; `report` lists them."""
+
+    def __init__(self, message: str, report: DraftReport, kept: Path | None = None):
+        super().__init__(message)
+        self.report = report
+        self.kept = kept
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step dir, or the trainer's OUT dir / checkpoints dir (followed through `latest`)."""
+    p = Path(path)
+    for candidate in (p, p / "checkpoints"):
+        if (candidate / "state.pt").is_file():
+            return candidate
+        latest = candidate / "latest"
+        if latest.is_file():
+            name = latest.read_text().strip()
+            step = Path(name) if Path(name).is_absolute() else candidate / name
+            if not (step / "state.pt").is_file():
+                raise ConfigError(f"{latest} names {name!r} but {step}/state.pt does not exist")
+            return step
+    raise ConfigError(
+        f"no checkpoint at {p}: pass a step directory holding state.pt, or the trainer's --out directory "
+        "(its checkpoints/latest names the newest step)"
+    )
+
+
+def _load_state(step: Path) -> dict:
+    import torch
+
+    path = step / "state.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - fall back for checkpoints that pickle non-tensor objects
+        # The file is our own trainer's output (the operator points at it); optimizer or scheduler
+        # states can hold objects weights_only refuses.
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def build_config(draft_config: dict, aux_inputs: list[int]) -> dict:
+    """SGLang's config.json from the trainer's draft_config and the captured aux layer inputs."""
+    missing = [k for k in fmt.REQUIRED_CONFIG_FIELDS if k not in draft_config]
+    if missing:
+        raise ConfigError(f"checkpoint draft_config lacks {', '.join(missing)}; the trainer must record them")
+    cfg = {
+        "architectures": [fmt.ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **fmt.DEFAULT_CONFIG_FIELDS,
+    }
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "vocab_size",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "hidden_act",
+    ):
+        if draft_config.get(key) is not None:
+            cfg[key] = draft_config[key]
+    cfg.setdefault("target_hidden_size", cfg["hidden_size"])
+    cfg["tie_word_embeddings"] = False
+    cfg["eagle_config"] = {
+        # Training captured layer INPUTS; SGLang's config names layer OUTPUTS and adds 1.
+        "eagle_aux_hidden_state_layer_ids": fmt.aux_inputs_to_config(aux_inputs),
+        "use_aux_hidden_state": True,
+    }
+    return cfg
+
+
+def write_draft(out: Path, tensors: dict, cfg: dict, dtype: str = "bfloat16", metadata: dict | None = None) -> None:
+    """Write model.safetensors (float tensors cast to dtype; d2t int64, t2d bool) and config.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    target_dtype = None if dtype == "keep" else getattr(torch, dtype)
+    clean = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        if name == "d2t":
+            t = t.to(torch.int64)
+        elif name == "t2d":
+            t = t.to(torch.bool)
+        elif target_dtype is not None and t.is_floating_point():
+            t = t.to(target_dtype)
+        clean[name] = t.contiguous()
+    if dtype != "keep":
+        cfg = {**cfg, "torch_dtype": dtype}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(clean, str(out / fmt.WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+    (out / fmt.CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def finalize(tmp: Path, out: Path, report: DraftReport, keep_failed: bool, what: str) -> None:
+    """Move a validated draft into place, or refuse (removing it unless keep_failed)."""
+    if not report.ok:
+        kept = None
+        if keep_failed:
+            kept = tmp
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportRefused(f"{what} refused: {len(report.errors)} problem(s); nothing written to {out}", report, kept)
+    if out.exists():
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"{out} exists and is not empty; pass --overwrite or another --out")
+    tmp.rename(out)
+
+
+def prepare_out(out: Path, overwrite: bool) -> Path:
+    """A temporary sibling of out (same filesystem, so the final rename is atomic)."""
+    out = out.resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise ConfigError(f"{out} exists and is not empty; pass --overwrite or another --out")
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+
+
+def export_checkpoint(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    target: fmt.TargetInfo | None = None,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    keep_failed: bool = False,
+) -> DraftReport:
+    """Export and validate; raises ExportRefused (files removed, or kept in a temp dir) on problems."""
+    step = resolve_checkpoint(ckpt)
+    state = _load_state(step)
+    for key in ("draft_state_dict", "draft_config", "aux_layer_ids", "target_num_layers"):
+        if key not in state:
+            raise ConfigError(f"{step}/state.pt lacks {key!r}: not a regen trainer checkpoint")
+    tensors = {fmt.canonical_key(k): v for k, v in state["draft_state_dict"].items()}
+    tensors.pop("embed_tokens.weight", None)  # SGLang uses the target's embedding
+    cfg = build_config(dict(state["draft_config"]), list(state["aux_layer_ids"]))
+    if target is None:
+        # No target config given: check against what the checkpoint says it was trained for.
+        target = fmt.TargetInfo(
+            cfg["target_hidden_size"], state["target_num_layers"], cfg["vocab_size"], source=f"{step}/state.pt"
+        )
+    out = Path(out)
+    tmp = prepare_out(out, overwrite)
+    write_draft(tmp, tensors, cfg, dtype, metadata={"regen_source": str(step)})
+    report = validate_draft(tmp, target)
+    finalize(tmp, out.resolve(), report, keep_failed, "export")
+    report.path = str(out)
+    return report

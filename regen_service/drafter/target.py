@@ -1,0 +1,76 @@
+"""The target backend: a Hugging Face causal LM from a local path, run without gradients.
+
+It gives what the draft trains on: the three auxiliary hidden states (INPUTS of layers
+`aux_layer_ids`, SGLang's convention; default [2, L//2, L-3], i.e. hidden_states[2], [L//2], [L-3]
+of output_hidden_states, where hidden_states[0] is the embedding output) concatenated to 3H, and
+the target's greedy next token per position. Multimodal targets keep the text model's config under
+`text_config`; sizes are read from there. Never downloads (local_files_only). Serving the target
+through SGLang for training is left to others; this backend is the HF one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from regen_service.errors import ConfigError
+
+
+def text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class HFTarget:
+    def __init__(
+        self,
+        path: str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        aux_layer_ids: list[int] | None = None,
+        model=None,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        self.device = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if model is None:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+            except OSError as e:
+                raise ConfigError(f"--target {path}: not a local Hugging Face model directory ({e})") from e
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        tc = text_config(self.model.config)
+        self.num_layers: int = tc.num_hidden_layers
+        self.hidden_size: int = tc.hidden_size
+        self.vocab_size: int = tc.vocab_size
+        self.text_config = tc
+        ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(self.num_layers)
+        if len(ids) != 3 or not all(0 <= i <= self.num_layers for i in ids):
+            raise ConfigError(f"aux_layer_ids {ids}: need three layer input indices in 0..{self.num_layers}")
+        self.aux_layer_ids = ids
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (aux hidden [B, T, 3H], target's greedy next token per position [B, T])."""
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hs = out.hidden_states
+        aux = torch.cat([hs[i] for i in self.aux_layer_ids], -1)
+        return aux, out.logits.argmax(-1)
+
+    __call__ = forward

@@ -1,0 +1,87 @@
+"""`regen enqueue`: a mix file becomes a run in storage, a record in the ledger and one task per shard.
+
+Reading and normalizing the datasets is regen_service.prepare's job; this module decides the run id,
+makes enqueueing idempotent (the same mix again creates no new tasks and says so), and sends the tasks,
+which carry only (run id, shard id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from regen_service.ledger import Ledger
+from regen_service.prepare import prepare_run, run_id_for
+from regen_service.queue import make_celery, send_shard
+from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict, resolved_mix_path
+from regen_service.settings import Settings
+from regen_service.storage import RunLayout, Storage
+from schemas.mix import load_mix
+from schemas.records import RunManifest
+
+
+@dataclass
+class EnqueueResult:
+    run_id: str
+    created: bool  # False: this mix was already enqueued, nothing new was sent
+    num_tasks_sent: int
+    num_shards: int
+    num_prompts: int
+    run_dir: str
+    sources: dict
+    message: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def prepare_or_load(settings: Settings, mix_path: str | Path) -> tuple[RunLayout, RunManifest]:
+    mix = load_mix(mix_path)
+    run_id = run_id_for(mix)
+    storage = Storage(settings.data_root_resolved)
+    layout = RunLayout(storage, run_id)
+    if storage.exists(layout.manifest_path):
+        return layout, load_manifest(layout)
+    storage.write_json_atomic(resolved_mix_path(layout), resolved_mix_dict(mix))
+    manifest = prepare_run(mix, storage, run_id, Path(mix_path).read_text(encoding="utf-8"))
+    return layout, manifest
+
+
+def enqueue(settings: Settings, mix_path: str | Path) -> EnqueueResult:
+    layout, manifest = prepare_or_load(settings, mix_path)
+    ledger = Ledger(settings)
+    done = done_shards_in_storage(layout)
+    sources = {k: v.model_dump() for k, v in manifest.sources.items()}
+    if not ledger.register_run(manifest, layout.storage.url, done_shards=done):
+        return EnqueueResult(
+            manifest.run_id,
+            False,
+            0,
+            manifest.num_shards,
+            manifest.num_prompts,
+            layout.run_dir,
+            sources,
+            f"run {manifest.run_id} was already enqueued; no new tasks (see `regen status {manifest.run_id}`)",
+        )
+    sent = send_pending(settings, manifest, done)
+    return EnqueueResult(
+        manifest.run_id,
+        True,
+        sent,
+        manifest.num_shards,
+        manifest.num_prompts,
+        layout.run_dir,
+        sources,
+        f"run {manifest.run_id}: {manifest.num_prompts} prompts in {manifest.num_shards} shards, {sent} tasks sent",
+    )
+
+
+def send_pending(settings: Settings, manifest: RunManifest, done: set[int]) -> int:
+    app = make_celery(settings)
+    sent = 0
+    with app.producer_or_acquire():
+        for shard in manifest.shards:
+            if shard.shard_id not in done:
+                send_shard(app, manifest.run_id, shard.shard_id)
+                sent += 1
+    return sent

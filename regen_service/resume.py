@@ -1,0 +1,138 @@
+"""`regen resume` and `regen retry-failed`: storage is the truth, Redis is rebuilt from it.
+
+resume: for a run on the data root, re-register it in the ledger (after a wipe or on a new Redis),
+mark shards whose output file exists as done, restore per-shard progress from their shard logs, and
+queue each unfinished shard that is neither held by a live lease nor already waiting in the queue, so
+running it any number of times queues nothing twice. retry-failed: queue shards whose output has
+rows that exhausted their retries (terminal errors too with include_terminal) to be asked again.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from regen_service.ledger import Ledger
+from regen_service.queue import make_celery, send_shard
+from regen_service.runinfo import done_shards_in_storage, load_manifest
+from regen_service.settings import Settings
+from regen_service.shard_log import ShardLog
+from regen_service.shard_runner import mark_done_from_file
+from regen_service.storage import RunLayout, Storage
+
+
+@dataclass
+class ResumeResult:
+    run_id: str
+    shards_total: int
+    shards_done: int
+    shards_sent: list[int] = field(default_factory=list)
+    shards_leased: list[int] = field(default_factory=list)
+    shards_already_queued: list[int] = field(default_factory=list)
+    ledger_rebuilt: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def queued_shard_ids(settings: Settings, ledger: Ledger, run_id: str) -> set[int]:
+    """Shards of this run with a message waiting in the queue or delivered-but-unacked."""
+    prefix = f"{settings.key_prefix}:celery:"
+    raw = ledger.r.lrange(prefix + settings.queue_name, 0, -1)
+    raw += [v for v in ledger.r.hvals(prefix + "unacked")]
+    found: set[int] = set()
+    for item in raw:
+        try:
+            msg = json.loads(item)
+            if isinstance(msg, list):  # unacked entries are [message, exchange, routing_key]
+                msg = msg[0]
+            body = msg["body"]
+            if msg.get("properties", {}).get("body_encoding") == "base64":
+                body = base64.b64decode(body)
+            args = json.loads(body)[0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        if len(args) >= 2 and args[0] == run_id:
+            found.add(int(args[1]))
+    return found
+
+
+def restore_ledger(settings: Settings, ledger: Ledger, layout: RunLayout) -> tuple[set[int], bool]:
+    manifest = load_manifest(layout)
+    done = done_shards_in_storage(layout)
+    rebuilt = ledger.register_run(manifest, layout.storage.url, done_shards=done)
+    for sid in done:
+        mark_done_from_file(ledger, layout, sid)
+    states = ledger.shard_states(layout.run_id)
+    for shard in manifest.shards:
+        sid = shard.shard_id
+        if sid in done:
+            continue
+        if states.get(sid) == "done":  # the ledger says done but the file is gone: storage wins
+            ledger.set_shard_state(layout.run_id, sid, "queued")
+        rows = ShardLog(layout, sid, owner="resume").load().values()
+        by_src = Counter(r["source"] for r in rows)
+        failed = Counter(r["source"] for r in rows if r.get("error"))
+        ledger.set_progress(
+            layout.run_id, sid, num_finished=len(rows), num_failed=sum(failed.values()),
+            num_tokens=sum(r.get("completion_tokens") or 0 for r in rows),
+            per_source_finished=dict(by_src), per_source_failed=dict(failed),
+        )  # fmt: skip
+    return done, rebuilt
+
+
+def resume_run(settings: Settings, run_id: str) -> ResumeResult:
+    layout = RunLayout(Storage(settings.data_root_resolved), run_id)
+    if not layout.storage.exists(layout.manifest_path):
+        raise FileNotFoundError(
+            f"no run {run_id!r} under {layout.storage.url}/runs (check REGEN_DATA_ROOT; `ls runs/` lists runs)"
+        )
+    ledger = Ledger(settings)
+    done, rebuilt = restore_ledger(settings, ledger, layout)
+    manifest = load_manifest(layout)
+    result = ResumeResult(run_id, manifest.num_shards, len(done), ledger_rebuilt=rebuilt)
+    queued = queued_shard_ids(settings, ledger, run_id)
+    app = make_celery(settings)
+    with app.producer_or_acquire():
+        for shard in manifest.shards:
+            sid = shard.shard_id
+            if sid in done:
+                continue
+            if ledger.lease_holder(run_id, sid):
+                result.shards_leased.append(sid)
+            elif sid in queued:
+                result.shards_already_queued.append(sid)
+            else:
+                ledger.set_shard_state(run_id, sid, "queued")
+                send_shard(app, run_id, sid)
+                result.shards_sent.append(sid)
+    return result
+
+
+def retry_failed(settings: Settings, run_id: str, include_terminal: bool = False) -> dict:
+    layout = RunLayout(Storage(settings.data_root_resolved), run_id)
+    ledger = Ledger(settings)
+    restore_ledger(settings, ledger, layout)
+    app = make_celery(settings)
+    mode = "all" if include_terminal else "exhausted"
+    sent: dict[int, int] = {}
+    for sid in sorted(done_shards_in_storage(layout)):
+        table = (
+            layout.storage.read_table(layout.output_shard(sid)).select(["error", "error_class"]).to_pylist()
+        )
+        n = sum(
+            1 for r in table if r["error"] and (include_terminal or r["error_class"] == "retries_exhausted")
+        )
+        if n:
+            ledger.set_shard_state(run_id, sid, "queued")
+            send_shard(app, run_id, sid, redo_errors=mode)
+            sent[sid] = n
+    return {
+        "run_id": run_id,
+        "mode": mode,
+        "shards_sent": len(sent),
+        "rows_to_retry": sum(sent.values()),
+        "per_shard": sent,
+    }

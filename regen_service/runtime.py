@@ -1,0 +1,119 @@
+"""One worker process's long-lived state: its event loop, endpoint pools, tokenizers and in-flight budget.
+
+Celery runs shard tasks in threads; all HTTP work happens on one asyncio loop owned by this runtime.
+Every shard a worker holds draws request slots from ONE semaphore sized to the pool's in-flight target,
+so when one shard drains its tail the next shard's prompts already fill the freed slots: a server never
+idles at shard boundaries while the queue holds work. What a shard does is regen_service.shard_runner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from regen_service.client.config import PoolConfig
+from regen_service.client.pool import EndpointPool
+from regen_service.regenerate import Regenerator
+from regen_service.settings import Settings
+from schemas.mix import MixSpec
+
+log = logging.getLogger(__name__)
+
+
+class WorkerConfig(BaseModel):
+    """What `regen worker` was started with; validated once, then passed down."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoints: list[str] = Field(min_length=1)
+    num_shards_in_parallel: int = Field(
+        default=2, ge=1, description="Celery concurrency: shards worked on at once"
+    )
+    api_key: SecretStr | None = None
+    max_inflight_per_endpoint: int | None = Field(default=None, ge=1)
+    stream: bool = True
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    max_attempts: int = Field(default=6, ge=1)
+    flush_rows: int = Field(default=64, ge=1)
+    flush_interval_s: float = Field(default=1.0, gt=0)
+    metrics_port: int | None = None
+    hostname: str | None = None
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            endpoints=self.endpoints,
+            api_key=self.api_key,
+            max_inflight_per_endpoint=self.max_inflight_per_endpoint,
+            stream=self.stream,
+            stall_timeout_s=self.stall_timeout_s,
+            max_attempts=self.max_attempts,
+        )
+
+
+class WorkerRuntime:
+    def __init__(self, settings: Settings, config: WorkerConfig):
+        self.settings = settings
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="regen-loop", daemon=True)
+        self._thread.start()
+        self._pools: dict[str, EndpointPool] = {}
+        self._tokenizers: dict[str, object] = {}
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._lock = threading.Lock()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro):
+        return self.submit(coro).result()
+
+    # --- per target model: one pool and one in-flight budget -----------------------------------------
+    def pool_for(self, model: str) -> tuple[EndpointPool, asyncio.Semaphore]:
+        with self._lock:
+            if model not in self._pools:
+                pool = EndpointPool(self.config.pool_config(), target_model=model)
+                self.call(
+                    pool.start()
+                )  # raises EndpointTerminalError on a wrong model: nothing is registered
+                self._pools[model] = pool
+                self.submit(self._make_semaphore(model, pool.inflight_target)).result()
+                log.info("endpoint pool for %s ready: in-flight target %d", model, pool.inflight_target)
+            return self._pools[model], self._semaphores[model]
+
+    async def _make_semaphore(self, model: str, size: int) -> None:
+        self._semaphores[model] = asyncio.Semaphore(max(1, size))
+
+    def tokenizer_for(self, mix: MixSpec):
+        path = mix.target.tokenizer
+        if mix.target.api != "generate" or not path:
+            return None
+        with self._lock:
+            if path not in self._tokenizers:
+                from transformers import AutoTokenizer
+
+                self._tokenizers[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return self._tokenizers[path]
+
+    def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, asyncio.Semaphore]:
+        pool, sem = self.pool_for(mix.target.model)
+        return Regenerator(pool, mix, tokenizer=self.tokenizer_for(mix)), sem
+
+    def snapshot(self) -> dict:
+        return {model: pool.snapshot() for model, pool in self._pools.items()}
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            try:
+                self.call(pool.close())
+            except Exception:
+                log.exception("closing pool")
+        self.loop.call_soon_threadsafe(self.loop.stop)

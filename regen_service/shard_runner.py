@@ -1,0 +1,236 @@
+"""Process one prompt shard into one output shard, exactly once, whatever crashes around it.
+
+The steps: skip a shard whose output already exists; take the shard's lease (another live holder means
+"not now": the caller retries later); load the rows earlier holders made durable and ask only for the
+rest; keep the lease alive with a heartbeat (losing it stops the work before anything final is written);
+append each answered row to the shard log as it finishes; write the final shard atomically in prompt
+order; mark it done in the ledger, which appends the shard_done event once. Talking to endpoints is the
+Regenerator's job; the queue plumbing is workers/celery_app.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from regen_service.errors import LeaseLostError
+from regen_service.ledger import Ledger
+from regen_service.rows import outputs_to_table, prompts_from_table
+from regen_service.runinfo import load_run_mix
+from regen_service.runtime import WorkerRuntime
+from regen_service.shard_log import ShardLog
+from regen_service.storage import RunLayout, Storage
+from schemas.conversation import PromptRecord
+from schemas.records import ShardDoneEvent
+
+log = logging.getLogger(__name__)
+
+
+class ShardBusy(Exception):
+    """Another live worker holds this shard's lease; try again after it could have expired."""
+
+
+@dataclass
+class ShardOutcome:
+    run_id: str
+    shard_id: int
+    status: str  # done | already_done
+    num_rows: int = 0
+    num_asked: int = 0
+    num_skipped: int = 0
+    num_errors: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Progress:
+    rows: dict[str, dict]
+    by_source: Counter = field(default_factory=Counter)
+    failed_by_source: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    unreported_tokens: int = 0
+
+    def add(self, row: dict, *, new: bool) -> None:
+        self.rows[row["prompt_id"]] = row
+        self.by_source[row["source"]] += 1
+        if row.get("error"):
+            self.failed_by_source[row["source"]] += 1
+        tok = row.get("completion_tokens") or 0
+        self.tokens += tok
+        if new:
+            self.unreported_tokens += tok
+
+
+def owner_token(hostname: str | None = None) -> str:
+    return f"{hostname or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def _record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: _Progress) -> None:
+    ledger.set_progress(
+        run_id,
+        shard_id,
+        num_finished=len(prog.rows),
+        num_failed=sum(prog.failed_by_source.values()),
+        num_tokens=prog.tokens,
+        per_source_finished=dict(prog.by_source),
+        per_source_failed=dict(prog.failed_by_source),
+    )
+    ledger.add_rate_tokens(run_id, prog.unreported_tokens)
+    prog.unreported_tokens = 0
+
+
+def mark_done_from_file(ledger: Ledger, layout: RunLayout, shard_id: int) -> ShardDoneEvent:
+    """The output file exists (it is the completion marker): make the ledger agree, idempotently."""
+    table = layout.storage.read_table(layout.output_shard(shard_id))
+    rows = table.select(["prompt_id", "source", "error", "completion_tokens"]).to_pylist()
+    prog = _Progress(rows={})
+    for r in rows:
+        prog.add(r, new=False)
+    _record_progress(ledger, layout.run_id, shard_id, prog)
+    event = ShardDoneEvent(
+        run_id=layout.run_id,
+        shard_id=shard_id,
+        path=layout.output_shard(shard_id),
+        num_rows=len(rows),
+        num_errors=sum(prog.failed_by_source.values()),
+        num_tokens=prog.tokens,
+    )
+    ledger.mark_shard_done(event)
+    return event
+
+
+def process_shard(
+    runtime: WorkerRuntime, run_id: str, shard_id: int, *, redo_errors: str | None = None
+) -> ShardOutcome:
+    settings = runtime.settings
+    t0 = time.monotonic()
+    ledger = Ledger(settings)
+    layout = RunLayout(Storage(settings.data_root_resolved), run_id)
+    storage = layout.storage
+    if storage.exists(layout.output_shard(shard_id)) and not redo_errors:
+        ev = mark_done_from_file(ledger, layout, shard_id)
+        return ShardOutcome(run_id, shard_id, "already_done", num_rows=ev.num_rows)
+
+    owner = owner_token(runtime.config.hostname)
+    if not ledger.acquire_lease(run_id, shard_id, owner):
+        raise ShardBusy(f"shard {run_id}/{shard_id} is held by {ledger.lease_holder(run_id, shard_id)}")
+    try:
+        mix = load_run_mix(layout)
+        records = prompts_from_table(storage.read_table(layout.prompt_shard(shard_id)))
+        shard_log = ShardLog(
+            layout,
+            shard_id,
+            owner,
+            flush_rows=runtime.config.flush_rows,
+            flush_interval_s=runtime.config.flush_interval_s,
+        )
+        prog = _Progress(rows={})
+        if redo_errors and storage.exists(layout.output_shard(shard_id)):
+            prior = storage.read_table(layout.output_shard(shard_id)).to_pylist()
+            for row in prior:
+                if not _should_redo(row, redo_errors):
+                    prog.add(row, new=False)
+        for row in shard_log.load().values():
+            prog.add(row, new=False)
+        todo = [r for r in records if r.prompt_id not in prog.rows]
+        ledger.set_shard_state(run_id, shard_id, "running")
+        _record_progress(ledger, run_id, shard_id, prog)
+        num_skipped = len(prog.rows)
+        regenerator, sem = runtime.regenerator_for(mix)
+        runtime.call(
+            _answer_all(runtime, ledger, run_id, shard_id, owner, todo, prog, shard_log, regenerator, sem)
+        )
+        shard_log.close()
+        ordered = [prog.rows[r.prompt_id] for r in records if r.prompt_id in prog.rows]
+        if len(ordered) != len(records):  # pragma: no cover - every prompt yields a row, error or not
+            raise RuntimeError(f"shard {shard_id}: {len(records) - len(ordered)} prompts have no row")
+        if not ledger.extend_lease(run_id, shard_id, owner):
+            raise LeaseLostError(f"lease on {run_id}/{shard_id} lost before finalizing")
+        storage.write_table_atomic(layout.output_shard(shard_id), outputs_to_table(ordered))
+        shard_log.remove()
+        _record_progress(ledger, run_id, shard_id, prog)
+        ev = ShardDoneEvent(
+            run_id=run_id,
+            shard_id=shard_id,
+            path=layout.output_shard(shard_id),
+            num_rows=len(ordered),
+            num_errors=sum(prog.failed_by_source.values()),
+            num_tokens=prog.tokens,
+        )
+        ledger.mark_shard_done(ev)
+        return ShardOutcome(
+            run_id,
+            shard_id,
+            "done",
+            num_rows=len(ordered),
+            num_asked=len(todo),
+            num_skipped=num_skipped,
+            num_errors=ev.num_errors,
+            tokens=prog.tokens,
+            seconds=time.monotonic() - t0,
+        )
+    finally:
+        ledger.release_lease(run_id, shard_id, owner)
+
+
+def _should_redo(row: dict, redo_errors: str) -> bool:
+    cls = row.get("error_class")
+    if not row.get("error"):
+        return False
+    return redo_errors == "all" or cls == "retries_exhausted"
+
+
+async def _answer_all(
+    runtime, ledger, run_id, shard_id, owner, todo: list[PromptRecord], prog, shard_log, regenerator, sem
+):
+    settings = runtime.settings
+    lost = asyncio.Event()
+
+    async def heartbeat():
+        while True:
+            await asyncio.sleep(settings.heartbeat_s)
+            ok = await asyncio.to_thread(ledger.extend_lease, run_id, shard_id, owner)
+            if not ok:
+                lost.set()
+                return
+            await asyncio.to_thread(_record_progress, ledger, run_id, shard_id, prog)
+
+    async def one(record: PromptRecord):
+        if record.input_ids is not None:
+            row = await regenerator.regenerate(record)
+        else:
+            async with sem:
+                if lost.is_set():
+                    return
+                row = await regenerator.regenerate(record)
+        if lost.is_set():
+            return
+        row["run_id"] = run_id
+        row.setdefault("reused_from", None)
+        shard_log.append(row)
+        prog.add(row, new=True)
+
+    hb = asyncio.create_task(heartbeat())
+    try:
+        tasks = [asyncio.create_task(one(r)) for r in todo]
+        waiter = asyncio.gather(*tasks)
+        lost_wait = asyncio.create_task(lost.wait())
+        _done, _ = await asyncio.wait({waiter, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if lost.is_set():
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise LeaseLostError(
+                f"lease on {run_id}/{shard_id} expired or was taken over; stopping without finalizing"
+            )
+        lost_wait.cancel()
+        waiter.result()
+    finally:
+        hb.cancel()

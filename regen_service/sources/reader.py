@@ -1,0 +1,143 @@
+"""Reading one source's rows, in file order, as (row_index, row) pairs.
+
+`path` sources: .json (a JSON array, or JSON lines despite the extension), .jsonl, .parquet,
+relative to the mix file. `hf` sources: `datasets.load_dataset(**hf)` with local files only (e.g.
+`{path: json, data_files: data/x.jsonl}`); relative data_files resolve against the mix folder.
+
+A line that is not valid UTF-8 or not valid JSON, or a row that is not an object, is yielded as a
+`BadRow` (row_index, reason, raw text) so the producer quarantines it and moves on; a file that cannot
+be read at all raises ConfigError naming the source. Normalizing rows is the normalizers' job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from regen_service.errors import ConfigError
+from schemas.mix import MixSpec, SourceSpec
+
+
+class BadRow(NamedTuple):
+    row_index: int
+    reason: str
+    raw: str
+
+
+def _not_object(i: int, value: Any) -> BadRow:
+    kind = "null" if value is None else type(value).__name__
+    return BadRow(i, f"row: expected a JSON object, got {kind}", json.dumps(value, ensure_ascii=False)[:4096])
+
+
+def _json_lines(data: bytes) -> Iterator[tuple[int, dict | BadRow]]:
+    index = 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue  # blank lines (a trailing newline, CRLF files) are not rows
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield (
+                index,
+                BadRow(index, f"row: invalid UTF-8 at byte {err.start} of the line", repr(line[:4096])),
+            )
+            index += 1
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            yield index, BadRow(index, f"row: not valid JSON ({err.msg} at char {err.pos})", text)
+        else:
+            yield index, value if isinstance(value, dict) else _not_object(index, value)
+        index += 1
+
+
+def _json_file(data: bytes, where: str) -> Iterator[tuple[int, dict | BadRow]]:
+    head = data.lstrip()[:1]
+    if head != b"[":
+        yield from _json_lines(data)
+        return
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(
+            f"{where}: not a valid JSON array ({err}); fix the file or convert it to JSON lines"
+        ) from None
+    for i, value in enumerate(rows):
+        yield i, value if isinstance(value, dict) else _not_object(i, value)
+
+
+def _parquet(path: str) -> Iterator[tuple[int, dict | BadRow]]:
+    import pyarrow.parquet as pq
+
+    # Through a Python file object, as Storage.read_table does: pyarrow 26 aborts at interpreter exit
+    # ("terminate called without an active exception") when a process mixes path reads and file-object reads.
+    index = 0
+    with open(path, "rb") as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=8192):
+            for row in batch.to_pylist():
+                yield index, row
+                index += 1
+
+
+def _resolve_data_files(mix: MixSpec, files: Any) -> Any:
+    if isinstance(files, str):
+        return mix.resolve(files)
+    if isinstance(files, list):
+        return [mix.resolve(f) for f in files]
+    if isinstance(files, dict):
+        return {k: _resolve_data_files(mix, v) for k, v in files.items()}
+    return files
+
+
+def hf_kwargs(mix: MixSpec, source: SourceSpec) -> dict:
+    """load_dataset arguments with relative data_files (and a relative data_dir) made absolute."""
+    kwargs = source.hf.model_dump()
+    if "data_files" in kwargs:
+        kwargs["data_files"] = _resolve_data_files(mix, kwargs["data_files"])
+    if isinstance(kwargs.get("data_dir"), str):
+        kwargs["data_dir"] = mix.resolve(kwargs["data_dir"])
+    return kwargs
+
+
+def _hf(mix: MixSpec, source: SourceSpec) -> Iterator[tuple[int, dict | BadRow]]:
+    import datasets
+
+    kwargs = hf_kwargs(mix, source)
+    try:
+        ds = datasets.load_dataset(**kwargs)
+    except Exception as err:  # datasets raises many types; all mean "this source cannot be read"
+        raise ConfigError(f"source {source.name!r}: load_dataset({kwargs}) failed: {err}") from err
+    index = 0
+    for batch in ds.iter(batch_size=4096):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns), strict=True):
+            yield index, dict(zip(columns, values, strict=True))
+            index += 1
+
+
+def read_rows(mix: MixSpec, source: SourceSpec) -> Iterator[tuple[int, dict | BadRow]]:
+    """Every row of the source in order; row_index counts rows (not lines) from 0."""
+    if source.hf is not None:
+        yield from _hf(mix, source)
+        return
+    path = mix.resolve(source.path)
+    where = f"source {source.name!r} ({path})"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: file not found; paths are relative to the mix file's folder")
+    if path.endswith(".parquet"):
+        try:
+            yield from _parquet(path)
+        except OSError as err:
+            raise ConfigError(f"{where}: cannot read parquet ({err})") from err
+        return
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read ({err.strerror})") from None
+    if path.endswith(".jsonl"):
+        yield from _json_lines(data)
+    else:
+        yield from _json_file(data, where)
