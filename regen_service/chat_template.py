@@ -21,7 +21,8 @@ STOP_TEXT = "<|im_end|>"
 CALLS_BEGIN = "<|tool_calls_section_begin|>"
 CALLS_END = "<|tool_calls_section_end|>"
 _CALL = re.compile(
-    r"<\|tool_call_begin\|>\s*(?P<id>.*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)\s*<\|tool_call_end\|>", re.S
+    r"<\|tool_call_begin\|>\s*(?P<id>.*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)\s*<\|tool_call_end\|>",
+    re.S,
 )
 
 
@@ -42,7 +43,9 @@ def message_dict(m: Message) -> dict:
     return d
 
 
-def prompt_ids(tokenizer, messages: list[Message], tools: tuple[dict, ...] | None, *, thinking: bool) -> list[int]:
+def prompt_ids(
+    tokenizer, messages: list[Message], tools: tuple[dict, ...] | None, *, thinking: bool
+) -> list[int]:
     """input_ids of the generation prompt, through the tokenizer's own template (add_generation_prompt)."""
     try:
         out = tokenizer.apply_chat_template(
@@ -53,7 +56,9 @@ def prompt_ids(tokenizer, messages: list[Message], tools: tuple[dict, ...] | Non
             thinking=thinking,
         )
     except Exception as e:  # a template that cannot render this conversation: the row's problem
-        raise RowTerminalError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from e
+        raise RowTerminalError(
+            f"the chat template cannot render this conversation: {type(e).__name__}: {e}"
+        ) from e
     # transformers 5 returns a BatchEncoding here, 4.x a plain list.
     ids = out["input_ids"] if hasattr(out, "keys") else out
     if ids and isinstance(ids[0], list):
@@ -104,7 +109,9 @@ def find_span(haystack: list[int], needle: list[int], start: int) -> int:
     return -1
 
 
-def loss_mask_for(last_prompt: list[int], last_output: list[int], earlier_outputs: list[list[int]]) -> list[int]:
+def loss_mask_for(
+    last_prompt: list[int], last_output: list[int], earlier_outputs: list[list[int]]
+) -> list[int]:
     """1 on the last output and on each earlier output found verbatim (in order) in the last prompt."""
     mask = [0] * len(last_prompt) + [1] * len(last_output)
     pos = 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from regen_service.ledger import Ledger
 from regen_service.prepare import prepare_run, run_id_for
 from regen_service.queue import make_celery, send_shard
+from regen_service.reuse import plan_reuse
 from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict, resolved_mix_path
 from regen_service.settings import Settings
 from regen_service.storage import RunLayout, Storage
@@ -35,7 +36,9 @@ class EnqueueResult:
         return asdict(self)
 
 
-def prepare_or_load(settings: Settings, mix_path: str | Path) -> tuple[RunLayout, RunManifest]:
+def prepare_or_load(
+    settings: Settings, mix_path: str | Path, *, reuse: bool = True
+) -> tuple[RunLayout, RunManifest]:
     mix = load_mix(mix_path)
     run_id = run_id_for(mix)
     storage = Storage(settings.data_root_resolved)
@@ -44,11 +47,15 @@ def prepare_or_load(settings: Settings, mix_path: str | Path) -> tuple[RunLayout
         return layout, load_manifest(layout)
     storage.write_json_atomic(resolved_mix_path(layout), resolved_mix_dict(mix))
     manifest = prepare_run(mix, storage, run_id, Path(mix_path).read_text(encoding="utf-8"))
+    if reuse:
+        # Planned before anything is queued; recorded in the manifest copy that status and resume read.
+        manifest.num_reused = plan_reuse(storage, manifest)
+        storage.write_json_atomic(layout.manifest_path, manifest.model_dump(mode="json"))
     return layout, manifest
 
 
-def enqueue(settings: Settings, mix_path: str | Path) -> EnqueueResult:
-    layout, manifest = prepare_or_load(settings, mix_path)
+def enqueue(settings: Settings, mix_path: str | Path, *, reuse: bool = True) -> EnqueueResult:
+    layout, manifest = prepare_or_load(settings, mix_path, reuse=reuse)
     ledger = Ledger(settings)
     done = done_shards_in_storage(layout)
     sources = {k: v.model_dump() for k, v in manifest.sources.items()}
@@ -72,7 +79,8 @@ def enqueue(settings: Settings, mix_path: str | Path) -> EnqueueResult:
         manifest.num_prompts,
         layout.run_dir,
         sources,
-        f"run {manifest.run_id}: {manifest.num_prompts} prompts in {manifest.num_shards} shards, {sent} tasks sent",
+        f"run {manifest.run_id}: {manifest.num_prompts} prompts in {manifest.num_shards} shards, "
+        f"{manifest.num_reused} reused from earlier runs, {sent} tasks sent",
     )
 
 

@@ -38,16 +38,17 @@ class ResumeResult:
 
 
 def queued_shard_ids(settings: Settings, ledger: Ledger, run_id: str) -> set[int]:
-    """Shards of this run with a message waiting in the queue or delivered-but-unacked."""
+    """Shards of this run with a message waiting in the queue.
+
+    Delivered-but-unacked messages do not count: without a live lease their holder is dead, and the
+    message would only come back after the visibility timeout. Sending another is harmless (leases).
+    """
     prefix = f"{settings.key_prefix}:celery:"
     raw = ledger.r.lrange(prefix + settings.queue_name, 0, -1)
-    raw += [v for v in ledger.r.hvals(prefix + "unacked")]
     found: set[int] = set()
     for item in raw:
         try:
             msg = json.loads(item)
-            if isinstance(msg, list):  # unacked entries are [message, exchange, routing_key]
-                msg = msg[0]
             body = msg["body"]
             if msg.get("properties", {}).get("body_encoding") == "base64":
                 body = base64.b64decode(body)

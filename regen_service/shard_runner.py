@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from regen_service.errors import LeaseLostError
 from regen_service.ledger import Ledger
+from regen_service.reuse import reused_rows
 from regen_service.rows import outputs_to_table, prompts_from_table
 from regen_service.runinfo import load_run_mix
 from regen_service.runtime import WorkerRuntime
@@ -138,6 +139,10 @@ def process_shard(
                 if not _should_redo(row, redo_errors):
                     prog.add(row, new=False)
         for row in shard_log.load().values():
+            prog.add(row, new=False)
+        pending = {r.prompt_id for r in records if r.prompt_id not in prog.rows}
+        for row in reused_rows(layout, pending).values():
+            shard_log.append(row)  # durable like an answer, so a crash does not lose the copy
             prog.add(row, new=False)
         todo = [r for r in records if r.prompt_id not in prog.rows]
         ledger.set_shard_state(run_id, shard_id, "running")

@@ -45,10 +45,14 @@ def _row(fmt: str, rng: random.Random, i: int) -> dict:
                 {"role": "tool", "content": "{}", "tool_call_id": f"c{i}"},
                 {"role": "assistant", "content": _text(rng, 60)},
             ],
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
         }
     if fmt == "instruction":
-        return {"instruction": _text(rng, 20), "input": _text(rng, 20) if i % 2 else "", "output": _text(rng, 80)}
+        return {
+            "instruction": _text(rng, 20),
+            "input": _text(rng, 20) if i % 2 else "",
+            "output": _text(rng, 80),
+        }
     if fmt == "prompt_response":
         return {"prompt": _text(rng, 60), "response": _text(rng, 40) + "<|endoftext|>"}
     ids = [rng.randrange(6000) for _ in range(rng.randint(64, 512))]
@@ -62,27 +66,22 @@ def write_sources(folder: Path, total: int, seed: int = 0) -> list[dict]:
     for k in range(10):
         fmt = formats[k % 5]
         rows = [_row(fmt, rng, i) for i in range(total // 10)]
-        for j in range(0, len(rows), 50):  # ~2% duplicates, ~1% bad rows
-            rows[j] = rows[j - 1] if j else rows[j]
+        for j in range(
+            50, len(rows), 50
+        ):  # ~2% duplicates, ~1% bad rows (never the first: it fixes the parquet schema)
+            rows[j] = rows[j - 1]
             if j % 100 == 0:
                 rows[j] = {"unexpected": j}
         ext = [".jsonl", ".parquet", ".json"][k % 3] if fmt != "pretokenized" else ".parquet"
         path = folder / f"src{k}{ext}"
         if ext == ".parquet":
-            pq.write_table(pa.Table.from_pylist(rows) if fmt == "pretokenized" else _json_col(rows), path)
-            if fmt != "pretokenized":
-                ext, path = ".jsonl", folder / f"src{k}.jsonl"
-                path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+            pq.write_table(pa.Table.from_pylist(rows), path)
         elif ext == ".json":
             path.write_text(json.dumps(rows))
         else:
             path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         sources.append({"name": f"src{k}", "path": path.name, "format": fmt})
     return sources
-
-
-def _json_col(rows: list[dict]) -> pa.Table:
-    return pa.table({"json": [json.dumps(r) for r in rows]})
 
 
 def main() -> None:

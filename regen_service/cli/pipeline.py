@@ -38,7 +38,12 @@ def _print_json(obj) -> None:
 @main.command()
 @click.argument("mix", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print a JSON object instead of text")
-def enqueue(mix: str, as_json: bool) -> None:
+@click.option(
+    "--no-reuse",
+    is_flag=True,
+    help="ask every prompt, even ones answered by earlier runs with the same settings",
+)
+def enqueue(mix: str, as_json: bool, no_reuse: bool) -> None:
     """Prepare MIX (a mix YAML) as a run under $REGEN_DATA_ROOT and queue one task per shard.
 
     The run id comes from the mix's content: enqueueing the same mix again sends nothing and says so.
@@ -48,7 +53,7 @@ def enqueue(mix: str, as_json: bool) -> None:
     settings = _settings()
     _setup_logging(settings)
     try:
-        res = do_enqueue(settings, mix)
+        res = do_enqueue(settings, mix, reuse=not no_reuse)
     except MixError as e:
         raise click.ClickException(str(e)) from None
     if as_json:

@@ -21,7 +21,9 @@ class PoolConfig(BaseModel):
     # our requests), capped by running + max_queued_requests so we never provoke "queue full" 503s.
     max_inflight_per_endpoint: int | None = Field(default=None, ge=1)
     inflight_factor: float = Field(default=2.0, ge=1.0)
-    default_inflight_per_endpoint: int = Field(default=64, ge=1, description="when the server reports no limits")
+    default_inflight_per_endpoint: int = Field(
+        default=64, ge=1, description="when the server reports no limits"
+    )
 
     connect_timeout_s: float = Field(default=10.0, gt=0)
     # Non-streaming requests only: the whole answer arrives at the end, so this must cover a full

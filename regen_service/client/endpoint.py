@@ -115,8 +115,21 @@ class Endpoint:
     async def open(self) -> None:
         c = self.config
         # A small separate pool for health probes: they must not queue behind saturated data traffic.
-        self._control = make_client(self.url, self._headers, connections=2, connect_s=c.connect_timeout_s, read_s=c.control_timeout_s)
-        self._data = make_client(self.url, self._headers, connections=self.limit + 2, connect_s=c.connect_timeout_s, read_s=c.read_timeout_s)
+        self._control = make_client(
+            self.url, self._headers, connections=2, connect_s=c.connect_timeout_s, read_s=c.control_timeout_s
+        )
+        self._data = self._data_client()
+
+    def _data_client(self) -> httpx.AsyncClient:
+        # Sized to the in-flight limit (+2 spare), HTTP/1.1 keep-alive: one socket per outstanding request.
+        c = self.config
+        return make_client(
+            self.url,
+            self._headers,
+            connections=self.limit + 2,
+            connect_s=c.connect_timeout_s,
+            read_s=c.read_timeout_s,
+        )
 
     async def close(self) -> None:
         if self._probe is not None:
@@ -131,7 +144,9 @@ class Endpoint:
         try:
             resp = await self._control.get(path)
         except httpx.ConnectError as e:
-            raise ConnectionRefusedRetryable(f"{self.label}{path}: cannot connect ({e})", endpoint=self.label) from None
+            raise ConnectionRefusedRetryable(
+                f"{self.label}{path}: cannot connect ({e})", endpoint=self.label
+            ) from None
         except httpx.HTTPError as e:
             raise RetryableError(f"{self.label}{path}: {type(e).__name__} {e}", endpoint=self.label) from None
         if resp.status_code == 404:
@@ -146,7 +161,8 @@ class Endpoint:
             served = await self._served_models()
             if served and not any(_same_model(s, target_model) for s in served):
                 raise WrongModelError(
-                    f"{self.label} serves {sorted(served)}, not the target model {target_model!r}", endpoint=self.label
+                    f"{self.label} serves {sorted(served)}, not the target model {target_model!r}",
+                    endpoint=self.label,
                 )
             await self._read_limits()
         except EndpointTerminalError as e:
@@ -188,10 +204,7 @@ class Endpoint:
                 limit = min(limit, running + queued)  # never provoke "queue full" ourselves
             if limit != self.limit:
                 self.limit = max(1, limit)
-                old, self._data = self._data, make_client(
-                    self.url, self._headers, connections=self.limit + 2,
-                    connect_s=self.config.connect_timeout_s, read_s=self.config.read_timeout_s,
-                )  # fmt: skip
+                old, self._data = self._data, self._data_client()
                 if old is not None:
                     await old.aclose()
 
@@ -201,7 +214,10 @@ class Endpoint:
 
     def record_failure(self, exc: RetryableError) -> None:
         self.consecutive_failures += 1
-        if isinstance(exc, ConnectionRefusedRetryable) or self.consecutive_failures >= self.config.breaker_failure_threshold:
+        if (
+            isinstance(exc, ConnectionRefusedRetryable)
+            or self.consecutive_failures >= self.config.breaker_failure_threshold
+        ):
             self.eject(str(exc))
 
     def eject(self, why: str) -> None:
@@ -237,7 +253,9 @@ class Endpoint:
         self.eject(f"down at start: {why}")
 
     # --- one attempt -------------------------------------------------------------------------
-    async def send(self, api: str, payload: dict, *, stream: bool, prompt_len: int | None = None) -> Completion:
+    async def send(
+        self, api: str, payload: dict, *, stream: bool, prompt_len: int | None = None
+    ) -> Completion:
         if prompt_len is not None:
             self._check_length(prompt_len)
         path = "/generate" if api == "generate" else "/v1/chat/completions"
@@ -248,11 +266,17 @@ class Endpoint:
             coro = self._stream(path, api, body) if stream else self._once(path, api, body)
             return await asyncio.wait_for(coro, self.config.request_timeout_s)
         except asyncio.TimeoutError:
-            raise RetryableError(f"{self.label} took longer than request_timeout_s", endpoint=self.label) from None
+            raise RetryableError(
+                f"{self.label} took longer than request_timeout_s", endpoint=self.label
+            ) from None
         except httpx.ConnectError as e:
-            raise ConnectionRefusedRetryable(f"{self.label}: cannot connect ({e})", endpoint=self.label) from None
+            raise ConnectionRefusedRetryable(
+                f"{self.label}: cannot connect ({e})", endpoint=self.label
+            ) from None
         except httpx.HTTPError as e:  # timeouts, resets, disconnects mid-stream
-            raise RetryableError(f"{self.label}: {type(e).__name__} {e}".strip(), endpoint=self.label) from None
+            raise RetryableError(
+                f"{self.label}: {type(e).__name__} {e}".strip(), endpoint=self.label
+            ) from None
 
     def _check_length(self, n: int) -> None:
         # SGLang rejects input_len >= context_length (and > max_req_input_len): do it without a request.
@@ -269,14 +293,22 @@ class Endpoint:
         resp = await self._data.post(path, json=body)
         raise_for_status(resp, resp.content, self.label)
         data = resp.json()
-        c = generate_completion_from_body(data, self.label) if api == "generate" else chat_message_completion(data, self.label)
+        c = (
+            generate_completion_from_body(data, self.label)
+            if api == "generate"
+            else chat_message_completion(data, self.label)
+        )
         c.latency_s = time.monotonic() - t0
         if c.completion_tokens and c.latency_s > 0:
             c.decode_tok_s = c.completion_tokens / c.latency_s
         return c
 
     async def _stream(self, path: str, api: str, body: dict) -> Completion:
-        acc = GenerateStream(self.label, self.config.incremental_stream) if api == "generate" else ChatStream(self.label)
+        acc = (
+            GenerateStream(self.label, self.config.incremental_stream)
+            if api == "generate"
+            else ChatStream(self.label)
+        )
         async with self._data.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 raise_for_status(resp, await resp.aread(), self.label)

@@ -58,7 +58,9 @@ def status_error(status: int, detail: str, endpoint: str) -> Exception:
     """The regen error for a non-2xx status (or an in-body error code)."""
     msg = f"{endpoint} answered {status}: {detail}"
     if status in (401, 403):
-        return EndpointTerminalError(f"{endpoint} rejected the request ({status} {detail}); check the API key", endpoint=endpoint)
+        return EndpointTerminalError(
+            f"{endpoint} rejected the request ({status} {detail}); check the API key", endpoint=endpoint
+        )
     if status in (408, 429) or status >= 500:
         return RetryableError(msg, status_code=status, endpoint=endpoint)
     if 400 <= status < 500:
@@ -104,7 +106,9 @@ def event_error(err: object, endpoint: str) -> Exception:
     code = error_code(err)
     detail = str(err.get("message") or err)[:500]
     if code is None:
-        return UncodedStreamError(f"{endpoint} sent an error event without a code: {detail}", endpoint=endpoint)
+        return UncodedStreamError(
+            f"{endpoint} sent an error event without a code: {detail}", endpoint=endpoint
+        )
     return status_error(code, detail, endpoint)
 
 
@@ -116,7 +120,9 @@ def check_abort(finish_reason: object, endpoint: str) -> None:
     detail = str(finish_reason.get("message") or "aborted")
     if code is not None and 400 <= code < 500:
         raise status_error(code, f"request aborted: {detail}", endpoint)
-    raise RetryableError(f"{endpoint} aborted the request ({code}): {detail}", status_code=code, endpoint=endpoint)
+    raise RetryableError(
+        f"{endpoint} aborted the request ({code}): {detail}", status_code=code, endpoint=endpoint
+    )
 
 
 def finish_type(finish_reason: object) -> str | None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 PROMPTS_ANSWERED = Counter(
-    "regen_client_requests_answered_total", "Requests answered by an endpoint (one per assistant turn)", ["endpoint"]
+    "regen_client_requests_answered_total",
+    "Requests answered by an endpoint (one per assistant turn)",
+    ["endpoint"],
 )
 OUTPUT_TOKENS = Counter("regen_client_output_tokens_total", "Completion tokens received", ["endpoint"])
 PROMPT_TOKENS = Counter("regen_client_prompt_tokens_total", "Prompt tokens sent", ["endpoint"])

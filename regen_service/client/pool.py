@@ -17,6 +17,7 @@ if no endpoint is usable at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 
@@ -65,9 +66,11 @@ class EndpointPool:
                 ep.healthy = True
                 ep._health_metric()
             return
-        results = await asyncio.gather(*(ep.check(self.target_model) for ep in self.endpoints), return_exceptions=True)
+        results = await asyncio.gather(
+            *(ep.check(self.target_model) for ep in self.endpoints), return_exceptions=True
+        )
         wrong_model = None
-        for ep, res in zip(self.endpoints, results):
+        for ep, res in zip(self.endpoints, results, strict=True):
             if isinstance(res, WrongModelError):
                 wrong_model = wrong_model or res
             elif isinstance(res, EndpointTerminalError):
@@ -106,8 +109,12 @@ class EndpointPool:
         return sum(ep.inflight for ep in self.endpoints)
 
     def snapshot(self) -> dict:
-        return {"target_model": self.target_model, "inflight_target": self.inflight_target,
-                "inflight": self.inflight, "endpoints": [ep.snapshot() for ep in self.endpoints]}  # fmt: skip
+        return {
+            "target_model": self.target_model,
+            "inflight_target": self.inflight_target,
+            "inflight": self.inflight,
+            "endpoints": [ep.snapshot() for ep in self.endpoints],
+        }
 
     @property
     def max_input_len(self) -> int | None:
@@ -144,11 +151,11 @@ class EndpointPool:
                     continue
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise NoEndpointAvailableError("every endpoint is ejected (being probed); none came back in time")
-                try:
+                    raise NoEndpointAvailableError(
+                        "every endpoint is ejected (being probed); none came back in time"
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._cond.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
 
     async def _release(self, ep: Endpoint) -> None:
         async with self._cond:
@@ -171,7 +178,9 @@ class EndpointPool:
             result = await retrying(self._attempt, state, api, payload, prompt_len)
         except RetryableError as e:
             metrics.RETRIES_EXHAUSTED.inc()
-            raise RetriesExhaustedError(f"gave up after {state.number} attempt(s): {e}", attempts=state.number) from e
+            raise RetriesExhaustedError(
+                f"gave up after {state.number} attempt(s): {e}", attempts=state.number
+            ) from e
         result.attempts = state.number
         return result
 

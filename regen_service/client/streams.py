@@ -36,7 +36,9 @@ async def sse_events(lines: AsyncIterator[str], stall_timeout_s: float, endpoint
         except StopAsyncIteration:
             raise RetryableError(f"{endpoint} closed the stream before [DONE]", endpoint=endpoint) from None
         except asyncio.TimeoutError:
-            raise StallError(f"{endpoint} sent nothing for {stall_timeout_s:g}s (stalled stream)", endpoint=endpoint) from None
+            raise StallError(
+                f"{endpoint} sent nothing for {stall_timeout_s:g}s (stalled stream)", endpoint=endpoint
+            ) from None
         if line.startswith(":"):
             continue
         if line.startswith("data:"):
@@ -51,7 +53,9 @@ async def sse_events(lines: AsyncIterator[str], stall_timeout_s: float, endpoint
         try:
             obj = json.loads(payload)
         except ValueError:
-            raise RetryableError(f"{endpoint} sent a malformed event: {payload[:200]!r}", endpoint=endpoint) from None
+            raise RetryableError(
+                f"{endpoint} sent a malformed event: {payload[:200]!r}", endpoint=endpoint
+            ) from None
         if isinstance(obj, dict):
             yield obj
 
@@ -103,7 +107,9 @@ class GenerateStream:
     def result(self) -> Completion:
         fr = self.meta.get("finish_reason")
         if fr is None:
-            raise RetryableError(f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint)
+            raise RetryableError(
+                f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint
+            )
         check_abort(fr, self.endpoint)
         return self.timer.finish(generate_completion(self.text, self.ids, self.meta, self.endpoint))
 
@@ -159,7 +165,9 @@ class ChatStream:
                 self.timer.token()
             for tc in delta.get("tool_calls") or []:
                 self.timer.token()
-                slot = self.calls.setdefault(tc.get("index", len(self.calls)), {"id": None, "name": "", "args": []})
+                slot = self.calls.setdefault(
+                    tc.get("index", len(self.calls)), {"id": None, "name": "", "args": []}
+                )
                 fn = tc.get("function") or {}
                 slot["id"] = tc.get("id") or slot["id"]
                 slot["name"] += fn.get("name") or ""
@@ -170,7 +178,9 @@ class ChatStream:
 
     def result(self) -> Completion:
         if self.finish is None:
-            raise RetryableError(f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint)
+            raise RetryableError(
+                f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint
+            )
         if self.finish == "abort":
             raise RetryableError(f"{self.endpoint} aborted the request", endpoint=self.endpoint)
         calls = [
@@ -190,7 +200,9 @@ class ChatStream:
         )
 
 
-def chat_completion(content, reasoning, calls, finish, matched_stop, usage: dict, endpoint: str) -> Completion:
+def chat_completion(
+    content, reasoning, calls, finish, matched_stop, usage: dict, endpoint: str
+) -> Completion:
     return Completion(
         content=content or "",
         reasoning_content=reasoning,

@@ -58,3 +58,15 @@ def ttt_loss(
             metrics[f"acc_{i}"] = correct.float() / n.clamp(min=1)
             metrics[f"tokens_{i}"] = n
     return total, metrics
+
+
+class TTTModule(torch.nn.Module):
+    """The draft with the TTT loss as its forward, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, decay: float):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length, self.decay = ttt_length, decay
+
+    def forward(self, aux, input_ids, target_ids, loss_mask):
+        return ttt_loss(self.draft, aux, input_ids, target_ids, loss_mask, self.ttt_length, self.decay)

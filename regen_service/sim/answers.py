@@ -119,7 +119,7 @@ def _draw_len(rng: random.Random, cfg: SimConfig) -> int:
         n = rng.randint(1, 2 * mean - 1) if mean > 1 else 1
     else:
         sigma = 0.8
-        n = int(round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+        n = round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma))
     return max(1, min(n, cfg.answer_len_max))
 
 

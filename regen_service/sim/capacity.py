@@ -11,6 +11,7 @@ are sent is left to the routes; instant mode (decode_tok_s == 0) bypasses this m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,10 +77,8 @@ class Scheduler:
             del self._running[job]
             self._admit(time.monotonic())
         else:
-            try:
+            with contextlib.suppress(ValueError):  # already left the queue
                 self._queue.remove(job)
-            except ValueError:
-                pass
         self._report()
 
     def cancel_all(self) -> None:

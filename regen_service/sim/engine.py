@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from regen_service.sim.answers import Answer, answer_key, build_answer, think_mode, tools_in_prompt
 from regen_service.sim.capacity import Job, QueueFull, Scheduler
 from regen_service.sim.config import SimConfig
-from regen_service.sim.faults import FaultDecider, FaultPlan
+from regen_service.sim.faults import NO_FAULT, FaultDecider, FaultPlan
 from regen_service.sim.stats import Stats
 from regen_service.sim.tokenize import load_tokenizer
 
@@ -116,10 +116,10 @@ class Engine:
         rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
         return Prepared(rid, prompt_tokens, answer, min(len(answer.ids), max_new), t0)
 
-    def start(self, prep: Prepared) -> Run:
+    def start(self, prep: Prepared, faults: bool = True) -> Run:
         """Decide this attempt's faults and admit it; raises QueueFull (answered as 503)."""
         cfg = self.cfg
-        plan = self._faults.decide(cfg, prep.num_tokens)
+        plan = self._faults.decide(cfg, prep.num_tokens) if faults else NO_FAULT
         if plan.kind == "503":
             self.stats.num_503 += 1
             raise QueueFull
@@ -171,6 +171,13 @@ class Run:
                 yield last
             if job.done:
                 return
+
+    async def drain(self) -> int:
+        """Wait for the end (non-streaming); returns the number of tokens out."""
+        k = 0
+        async for k in self.updates():  # noqa: B007  (the last value is the answer)
+            pass
+        return k
 
     def finish(self, completion_tokens: int) -> dict:
         """Count the attempt as completed; returns the speculative meta fields, if any."""

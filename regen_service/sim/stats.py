@@ -134,14 +134,16 @@ class Stats:
         metric("sglang:gen_throughput", "gauge", self.last_gen_throughput, "Generation throughput (token/s).")
         metric("sglang:num_running_reqs", "gauge", self.running, "The number of running requests.")
         metric("sglang:num_queue_reqs", "gauge", self.queued, "The number of requests in the waiting queue.")
-        metric("sglang:spec_accept_length", "gauge", self.avg_spec_accept_length or 0.0, "Average accept length.")
+        metric(
+            "sglang:spec_accept_length", "gauge", self.avg_spec_accept_length or 0.0, "Average accept length."
+        )
         metric("sglang:generation_tokens_total", "counter", self.tokens_generated, "Generation tokens.")
         metric("sglang:prompt_tokens_total", "counter", self.prompt_tokens, "Prefill tokens.")
         metric("sglang:num_requests_total", "counter", self.requests_total, "Requests received.")
         name = "sglang:e2e_request_latency_seconds"
         lines += [f"# HELP {name} End-to-end request latency.", f"# TYPE {name} histogram"]
         cum = 0
-        for bound, count in zip(LATENCY_BUCKETS_S, self._latency_counts):
+        for bound, count in zip(LATENCY_BUCKETS_S, self._latency_counts, strict=True):
             cum += count
             le = "+Inf" if bound == float("inf") else str(float(bound))
             lines.append(f'{name}_bucket{{model_name="{model}",le="{le}"}} {float(cum)}')

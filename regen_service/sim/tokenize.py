@@ -63,6 +63,9 @@ def _build_words() -> list[str]:
 
 
 WORDS = _build_words()
+# Common words come up ten times as often as made-up ones, so generated text reads less like noise.
+_NUM_COMMON = len(dict.fromkeys(_COMMON))
+_CUM_WEIGHTS = list(itertools.accumulate(10 if i < _NUM_COMMON else 1 for i in range(len(WORDS))))
 _WORD_BASE = 1000
 _PERIOD, _COMMA = ord("."), ord(",")
 _MARKER_RE = "|".join(re.escape(m) for m in MARKERS)
@@ -111,7 +114,7 @@ class SyntheticTokenizer:
     def filler(self, rng: random.Random, n: int) -> list[int]:
         if n <= 0:
             return []
-        ids = [_WORD_BASE + i for i in rng.choices(range(len(WORDS)), k=n)]
+        ids = [_WORD_BASE + i for i in rng.choices(range(len(WORDS)), cum_weights=_CUM_WEIGHTS, k=n)]
         # Sentences of 6-20 tokens, so the text reads like text and byte tokens appear too.
         i = rng.randint(6, 20)
         while i < n:
@@ -150,7 +153,7 @@ class HFTokenizer:
             return []
         ids: list[int] = []
         while len(ids) < n:
-            ids += self.encode(" " + " ".join(rng.choices(WORDS, k=n - len(ids))))
+            ids += self.encode(" " + " ".join(rng.choices(WORDS, cum_weights=_CUM_WEIGHTS, k=n - len(ids))))
         return ids[:n]
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> tuple[str, int]:
@@ -171,7 +174,9 @@ def render_kimi_chat(messages: list[dict], tools: list[dict] | None, kwargs: dic
     """Kimi-K2.5's chat layout, enough for token counts and for the thinking/tool decisions."""
     parts: list[str] = []
     if tools:
-        parts.append(f"<|im_system|>tool_declare<|im_middle|>{json.dumps(tools, separators=(',', ':'))}{IM_END}")
+        parts.append(
+            f"<|im_system|>tool_declare<|im_middle|>{json.dumps(tools, separators=(',', ':'))}{IM_END}"
+        )
     for m in messages:
         role = m.get("role", "user")
         tag = {"user": "user", "assistant": "assistant"}.get(role, "system")

@@ -1,0 +1,214 @@
+"""Regenerator: one prompt record in, one OUTPUT_SCHEMA row out, every answer from the target.
+
+`turns: all` answers each assistant turn in order, every request carrying the target's own earlier
+answers (the dataset's are replaced); `turns: last` answers only the final one. A conversation that
+ends with a user (or tool) message gets a new assistant turn appended.
+
+Tool results (documented in docs/client.md): the dataset's tool messages stay in place after a
+regenerated turn that made tool calls (their tool_call_id re-pointed, by position, to the target's
+call ids). When the regenerated turn made no tool call but the dataset continues with tool results,
+or made calls the dataset has no results for, the conversation stops there: the row ends with the
+target's answer, because anything later answers a conversation the target did not have, and keeping
+the dataset's turn would put non-target text where the trainer expects the target's.
+
+Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept.
+Writing rows (run_id, reused_from, Parquet) is the worker's job.
+"""
+
+from __future__ import annotations
+
+import time
+
+from regen_service.chat_template import (
+    loss_mask_for,
+    message_dict,
+    parse_tool_calls,
+    prompt_ids,
+    split_thinking,
+)
+from regen_service.client.http import Completion
+from regen_service.client.pool import EndpointPool
+from regen_service.errors import ConfigError, EndpointTerminalError, RetriesExhaustedError, RowTerminalError
+from regen_service.rows import message_to_arrow, tools_to_json
+from schemas.conversation import Message, PromptRecord
+from schemas.mix import MixSpec
+
+
+class Regenerator:
+    def __init__(self, pool: EndpointPool, mix: MixSpec, tokenizer=None) -> None:
+        if mix.target.api == "generate" and tokenizer is None:
+            raise ConfigError(
+                "api: generate needs the target tokenizer (mix target.tokenizer), loaded by the caller"
+            )
+        self.pool = pool
+        self.mix = mix
+        self.tokenizer = tokenizer
+        self.api = mix.target.api
+        self.thinking = mix.regenerate.thinking
+
+    # --- requests ----------------------------------------------------------------------------
+    def _sampling(self) -> dict:
+        s = self.mix.sampling
+        return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p}
+
+    async def _ask(self, history: list[Message], tools) -> tuple[Completion, Message, list[int] | None]:
+        """One assistant turn: the completion, the message to store, and (generate) the prompt ids."""
+        s = self.mix.sampling
+        if self.api == "generate":
+            ids = prompt_ids(self.tokenizer, history, tools, thinking=self.thinking != "off")
+            params = {**self._sampling(), "max_new_tokens": s.max_new_tokens, "skip_special_tokens": False}
+            if s.seed is not None:
+                params["sampling_seed"] = s.seed
+            c = await self.pool.complete(
+                "generate", {"input_ids": ids, "sampling_params": params}, prompt_len=len(ids)
+            )
+            reasoning, answer = split_thinking(
+                c.text, prompt_opens_think=self.thinking != "off", truncated=c.finish_reason == "length"
+            )
+            content, calls = parse_tool_calls(answer)
+        else:
+            ids = None
+            payload = {
+                "model": self.mix.target.model,
+                "messages": [message_dict(m) for m in history],
+                **self._sampling(),
+                "max_completion_tokens": s.max_new_tokens,
+                "separate_reasoning": True,
+            }
+            if tools:
+                payload["tools"] = list(tools)
+            if s.seed is not None:
+                payload["seed"] = s.seed
+            if self.thinking == "off":
+                payload["chat_template_kwargs"] = {"thinking": False}
+            c = await self.pool.complete("chat", payload)
+            reasoning, content, calls = c.reasoning_content, c.content or "", c.tool_calls
+            if reasoning is None and "</think>" in content:
+                # The server runs without a reasoning parser: split it here the same way.
+                reasoning, content = split_thinking(content, prompt_opens_think=True, truncated=False)
+            # Raw text as generated after the prompt's `<think>`: reasoning, `</think>`, answer.
+            c.text = f"{reasoning}</think>{content}" if reasoning is not None else content
+        msg = Message(
+            role="assistant",
+            content=content,
+            reasoning_content=reasoning if self.thinking != "strip" else None,
+            tool_calls=tuple(calls) if calls else None,
+        )
+        return c, msg, ids
+
+    # --- conversation ------------------------------------------------------------------------
+    def _targets(self, messages: list[Message]) -> set[int]:
+        assistants = [i for i, m in enumerate(messages) if m.role == "assistant"]
+        if messages[-1].role != "assistant":
+            assistants.append(len(messages))  # a new turn, appended
+        return set(assistants) if self.mix.regenerate.turns == "all" else {assistants[-1]}
+
+    async def regenerate(self, record: PromptRecord) -> dict:
+        row = self._base(record)
+        if record.input_ids is not None:
+            row.update(
+                input_ids=list(record.input_ids), loss_mask=list(record.loss_mask), turns=[], messages=None
+            )
+            return row
+        conv = record.conversation
+        messages = list(conv.messages)
+        targets = self._targets(messages)
+        history: list[Message] = []
+        turns: list[dict] = []
+        outputs: list[list[int]] = []
+        last_ids: list[int] | None = None
+        t0 = time.monotonic()
+        i = 0
+        try:
+            while i <= len(messages):
+                if i not in targets:
+                    if i < len(messages):
+                        history.append(messages[i])
+                    i += 1
+                    continue
+                c, msg, ids = await self._ask(history, conv.tools)
+                history.append(msg)
+                turns.append(self._turn(len(history) - 1, c))
+                if c.output_ids is not None:
+                    outputs.append(list(c.output_ids))
+                    last_ids = ids
+                i += 1
+                tools_after = []
+                while i < len(messages) and messages[i].role == "tool":
+                    tools_after.append(messages[i])
+                    i += 1
+                if bool(tools_after) != bool(msg.tool_calls) and i < len(messages) + (not tools_after):
+                    break  # the target's turn and the dataset's continuation disagree: stop here
+                history.extend(_repoint(tools_after, msg))
+        except RowTerminalError as e:
+            row.update(error=str(e), error_class="terminal_row")
+        except RetriesExhaustedError as e:
+            row.update(error=str(e), error_class="retries_exhausted")
+        except EndpointTerminalError as e:
+            row.update(error=str(e), error_class="terminal_endpoint")
+        self._finish(row, history, turns, outputs, last_ids, conv.tools, time.monotonic() - t0)
+        return row
+
+    # --- row ---------------------------------------------------------------------------------
+    def _base(self, record: PromptRecord) -> dict:
+        return {
+            "prompt_id": record.prompt_id,
+            "source": record.source,
+            "row_index": record.row_index,
+            "model": self.mix.target.model,
+            "api": self.api,
+            "sampling_hash": self.mix.sampling.settings_hash(),
+            "regen_key": self.mix.regen_key(),
+            "tools": tools_to_json(record.conversation.tools) if record.conversation else None,
+            "error": None,
+            "error_class": None,
+            "attempts": 0,
+        }
+
+    @staticmethod
+    def _turn(index: int, c: Completion) -> dict:
+        return {
+            "message_index": index,
+            "text": c.text,
+            "output_ids": list(c.output_ids) if c.output_ids is not None else None,
+            "finish_reason": c.finish_reason,
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "ttft_s": c.ttft_s,
+            "decode_tok_s": c.decode_tok_s,
+            "latency_s": c.latency_s,
+            "endpoint": c.endpoint,
+            "attempts": c.attempts,
+        }
+
+    def _finish(self, row, history, turns, outputs, last_ids, tools, elapsed_s: float) -> None:
+        speeds = [t["decode_tok_s"] for t in turns if t["decode_tok_s"] is not None]
+        row.update(
+            messages=[message_to_arrow(m) for m in history],
+            turns=turns,
+            finish_reason=turns[-1]["finish_reason"] if turns else None,
+            # summed over turns: tokens the target processed and produced for this row
+            prompt_tokens=sum(t["prompt_tokens"] or 0 for t in turns),
+            completion_tokens=sum(t["completion_tokens"] or 0 for t in turns),
+            endpoint=turns[-1]["endpoint"] if turns else None,
+            attempts=sum(t["attempts"] for t in turns),
+            latency_s=elapsed_s,
+            ttft_s=turns[0]["ttft_s"] if turns else None,
+            decode_tok_s=sum(speeds) / len(speeds) if speeds else None,
+            input_ids=None,
+            loss_mask=None,
+        )
+        if last_ids is not None and outputs:
+            row["input_ids"] = last_ids + outputs[-1]
+            row["loss_mask"] = loss_mask_for(last_ids, outputs[-1], outputs[:-1])
+
+
+def _repoint(tool_msgs: list[Message], call_msg: Message) -> list[Message]:
+    """The dataset's tool results, answering the target's calls (ids re-pointed by position)."""
+    calls = call_msg.tool_calls or ()
+    out = []
+    for k, m in enumerate(tool_msgs):
+        if k < len(calls) and calls[k].id is not None:
+            m = m.model_copy(update={"tool_call_id": calls[k].id, "name": m.name or calls[k].name})
+        out.append(m)
+    return out
