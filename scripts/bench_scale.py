@@ -112,7 +112,7 @@ def main() -> None:
         worker = spawn(wcmd, env=env, log=tmp / "worker.log")
         start = time.perf_counter()
         restarted_at = None
-        killed = False
+        killed = resumed = False
         try:
             while True:
                 st = run_status(ledger, res.run_id)
@@ -128,7 +128,10 @@ def main() -> None:
                     worker = spawn(regen_cmd("worker", "--endpoint", url, "--hostname", "bench2@local"), env=env,
                                    log=tmp / "worker2.log")  # fmt: skip
                     restarted_at = time.perf_counter() - start
-                    resume = spawn(regen_cmd("resume", res.run_id), env=env, log=tmp / "resume.log")
+                if killed and not resumed and now - restarted_at > settings.lease_ttl_s + 1:
+                    # the dead worker's leases have expired: an operator's `regen resume` re-queues its shards
+                    spawn(regen_cmd("resume", res.run_id), env=env, log=tmp / "resume.log")
+                    resumed = True
                 if now > 1800:
                     raise TimeoutError("scale run did not finish in 30 minutes")
                 time.sleep(0.25)
