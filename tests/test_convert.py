@@ -8,7 +8,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_export_validate import DRAFT_VOCAB, LAYERS, VOCAB, cli, draft_tensors, layer_config, make_target
+from tests.test_export_validate import (
+    DRAFT_VOCAB,
+    LAYERS,
+    VOCAB,
+    cli,
+    draft_tensors,
+    layer_config,
+    make_target,
+)
 
 
 def make_speculators_draft(root: Path, *, drop: tuple[str, ...] = (), **cfg_overrides) -> Path:
@@ -54,14 +62,18 @@ def test_speculators_draft_is_refused_then_converted(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert set(tensors) == set(draft_tensors())  # midlayer.* names, no embedding
     original = load_file(str(src / "model.safetensors"))
-    assert torch.equal(tensors["midlayer.self_attn.q_proj.weight"], original["layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(
+        tensors["midlayer.self_attn.q_proj.weight"], original["layers.0.self_attn.q_proj.weight"]
+    )
     assert cli("validate-draft", str(out), "--target-config", str(target)).exit_code == 0
 
 
 def test_convert_derives_d2t_from_t2d_and_defaults_aux(tmp_path):
     src = make_speculators_draft(tmp_path / "spec", drop=("d2t",), eagle_aux_hidden_state_layer_ids=None)
     target = make_target(tmp_path / "target")
-    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(target), "--json")
+    res = cli(
+        "convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(target), "--json"
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert "derived d2t from t2d" in data["notes"]
@@ -75,7 +87,14 @@ def test_convert_keeps_nonzero_fc_bias_and_declares_it(tmp_path):
     t = load_file(str(src / "model.safetensors"))
     t["fc.bias"] = torch.full((64,), 0.5)
     save_file(t, str(src / "model.safetensors"))
-    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(make_target(tmp_path / "t")))
+    res = cli(
+        "convert-draft",
+        str(src),
+        "--out",
+        str(tmp_path / "out"),
+        "--target-config",
+        str(make_target(tmp_path / "t")),
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["bias"] is True
 
@@ -89,7 +108,14 @@ def test_convert_refuses_what_sglang_cannot_express(tmp_path):
 
 def test_convert_validation_failure_leaves_nothing(tmp_path):
     src = make_speculators_draft(tmp_path / "spec", drop=("d2t", "t2d"))
-    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(make_target(tmp_path / "t")))
+    res = cli(
+        "convert-draft",
+        str(src),
+        "--out",
+        str(tmp_path / "out"),
+        "--target-config",
+        str(make_target(tmp_path / "t")),
+    )
     assert res.exit_code == 1 and "d2t_missing" in res.output
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -96,7 +96,9 @@ def cli(*args: str):
 def exported(tmp_path) -> tuple[Path, Path]:
     make_checkpoint(tmp_path / "train")
     target = make_target(tmp_path / "target")
-    res = cli("export", str(tmp_path / "train"), "--out", str(tmp_path / "draft"), "--target-config", str(target))
+    res = cli(
+        "export", str(tmp_path / "train"), "--out", str(tmp_path / "draft"), "--target-config", str(target)
+    )
     assert res.exit_code == 0, res.output
     return tmp_path / "draft", target
 
@@ -110,7 +112,10 @@ def test_export_writes_sglang_format_and_validates(exported, tmp_path):
     assert cfg["vocab_size"] == VOCAB and cfg["draft_vocab_size"] == DRAFT_VOCAB
     assert cfg["tie_word_embeddings"] is False and cfg["target_hidden_size"] == H
     # Captured inputs [2, 6, 9] are written as SGLang's output ids [1, 5, 8].
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 5, 8], "use_aux_hidden_state": True}
+    assert cfg["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 5, 8],
+        "use_aux_hidden_state": True,
+    }
     tensors = load_file(str(draft / "model.safetensors"))
     assert set(tensors) == set(draft_tensors())
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
@@ -183,8 +188,16 @@ PLANTED = {
     ),
     "vocab_size": (dict(cfg=lambda c: c.update(vocab_size=600)), "vocab_size", ["target's is 500"]),
     "d2t_missing": (dict(tensors=lambda t: t.pop("d2t")), "d2t_missing", ["FIRST", "silently"]),
-    "d2t_length": (dict(tensors=lambda t: t.update(d2t=t["d2t"][:100])), "d2t_length", ["draft_vocab_size is 128"]),
-    "d2t_range": (dict(tensors=lambda t: t.update(d2t=t["d2t"] + 450)), "d2t_range", ["outside the target vocabulary"]),
+    "d2t_length": (
+        dict(tensors=lambda t: t.update(d2t=t["d2t"][:100])),
+        "d2t_length",
+        ["draft_vocab_size is 128"],
+    ),
+    "d2t_range": (
+        dict(tensors=lambda t: t.update(d2t=t["d2t"] + 450)),
+        "d2t_range",
+        ["outside the target vocabulary"],
+    ),
     "t2d_mismatch": (
         dict(tensors=lambda t: t.update(t2d=torch.roll(t["t2d"], 1))),
         "t2d_mismatch",
@@ -240,10 +253,14 @@ def test_fc_width_against_another_target(exported, tmp_path):
 
 def test_validate_draft_real_cli_exit_codes(exported):
     draft, target = exported
-    ok = subprocess.run(regen_cmd("validate-draft", str(draft), "--target-config", str(target)), capture_output=True)
+    ok = subprocess.run(
+        regen_cmd("validate-draft", str(draft), "--target-config", str(target)), capture_output=True
+    )
     assert ok.returncode == 0, ok.stderr
     (draft / "config.json").write_text(
         json.dumps({**json.loads((draft / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]})
     )
-    bad = subprocess.run(regen_cmd("validate-draft", str(draft), "--target-config", str(target)), capture_output=True)
+    bad = subprocess.run(
+        regen_cmd("validate-draft", str(draft), "--target-config", str(target)), capture_output=True
+    )
     assert bad.returncode == 1 and b"architecture" in bad.stdout

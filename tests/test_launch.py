@@ -85,7 +85,17 @@ def test_spec_numbers_validated_together(target_and_draft):
     target, draft = target_and_draft
     ok = run("--target", str(target), "--draft", str(draft), "--spec-steps", "5", "--print")
     assert ok.exit_code == 0 and "--speculative-num-draft-tokens 6" in ok.output
-    bad = run("--target", str(target), "--draft", str(draft), "--spec-steps", "3", "--spec-draft-tokens", "8", "--print")
+    bad = run(
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--spec-steps",
+        "3",
+        "--spec-draft-tokens",
+        "8",
+        "--print",
+    )
     assert bad.exit_code != 0 and "num_steps + 1" in bad.output
     tree = run("--target", str(target), "--draft", str(draft), "--spec-steps", "2", "--spec-topk", "2",
                "--spec-draft-tokens", "7", "--print")  # fmt: skip

@@ -60,7 +60,11 @@ def test_demo_mix_prepares_with_planted_bad_rows_quarantined(tmp_path):
     storage = layout.storage
     quarantine = storage.read_table(layout.quarantine_path).to_pylist()
     assert len(quarantine) == 10 and all(q["reason"] and q["raw"] for q in quarantine)
-    records = [r for s in manifest.shards for r in prompts_from_table(storage.read_table(layout.prompt_shard(s.shard_id)))]
+    records = [
+        r
+        for s in manifest.shards
+        for r in prompts_from_table(storage.read_table(layout.prompt_shard(s.shard_id)))
+    ]
     assert len({r.prompt_id for r in records}) == manifest.num_prompts
     assert {r.source for r in records} == set(stats)
     assert any(r.input_ids for r in records) and any(r.num_dropped_parts for r in records)
@@ -72,7 +76,18 @@ def test_demo_mix_prepares_with_planted_bad_rows_quarantined(tmp_path):
 def test_counts_dedup_across_sources_and_quarantine_contents(tmp_path):
     a = jsonl(tmp_path / "a.jsonl", [qa(0), qa(1), qa(1), "{broken", [1, 2], qa(2)])
     b_rows = [{"prompt": "question 2", "response": "answer 2"}, {"prompt": "p" * 9000}, {"prompt": 5}]
-    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"] if isinstance(r["prompt"], str) else None, "response": r.get("response")} for r in b_rows]), tmp_path / "b.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "prompt": r["prompt"] if isinstance(r["prompt"], str) else None,
+                    "response": r.get("response"),
+                }
+                for r in b_rows
+            ]
+        ),
+        tmp_path / "b.parquet",
+    )
     (tmp_path / "c.json").write_text(json.dumps([{"instruction": "x"}, {"instruction": 3}]))
     mix_path = write_mix(
         tmp_path,
@@ -83,7 +98,9 @@ def test_counts_dedup_across_sources_and_quarantine_contents(tmp_path):
         ],
     )  # fmt: skip
     manifest, layout = prepare(mix_path, tmp_path / "data")
-    got = {k: (v.read, v.kept, v.duplicate, v.quarantined, v.sampled_out) for k, v in manifest.sources.items()}
+    got = {
+        k: (v.read, v.kept, v.duplicate, v.quarantined, v.sampled_out) for k, v in manifest.sources.items()
+    }
     assert got == {"a": (6, 3, 1, 2, 0), "b": (3, 1, 1, 1, 0), "c": (2, 1, 0, 1, 0)}
     q = layout.storage.read_table(layout.quarantine_path).to_pylist()
     assert [(r["source"], r["row_index"]) for r in q] == [("a", 3), ("a", 4), ("b", 2), ("c", 1)]
@@ -91,7 +108,11 @@ def test_counts_dedup_across_sources_and_quarantine_contents(tmp_path):
     assert "expected a JSON object, got list" in q[1]["reason"]
     assert "prompt: expected a string, got null" in q[2]["reason"]
     # first occurrence wins: the duplicate in `b` points back to a's row 5
-    first = {r.prompt_id: (r.source, r.row_index) for s in manifest.shards for r in prompts_from_table(layout.storage.read_table(layout.prompt_shard(s.shard_id)))}
+    first = {
+        r.prompt_id: (r.source, r.row_index)
+        for s in manifest.shards
+        for r in prompts_from_table(layout.storage.read_table(layout.prompt_shard(s.shard_id)))
+    }
     assert sorted(first.values()) == [("a", 0), ("a", 1), ("a", 5), ("b", 1), ("c", 0)]
     assert [s.num_prompts for s in manifest.shards] == [4, 1]
     assert RunManifest.model_validate(layout.storage.read_json(layout.manifest_path)) == manifest
@@ -99,7 +120,9 @@ def test_counts_dedup_across_sources_and_quarantine_contents(tmp_path):
 
 def test_raw_is_truncated_to_4_kib(tmp_path):
     a = jsonl(tmp_path / "a.jsonl", [qa(0), {"instruction": 1, "pad": "é" * 5000}])
-    manifest, layout = prepare(write_mix(tmp_path, [{"name": "a", "path": a, "format": "instruction"}]), tmp_path / "d")
+    _, layout = prepare(
+        write_mix(tmp_path, [{"name": "a", "path": a, "format": "instruction"}]), tmp_path / "d"
+    )
     raw = layout.storage.read_table(layout.quarantine_path).to_pylist()[0]["raw"]
     assert len(raw.encode()) <= 4096 and raw.startswith('{"instruction": 1')
 
@@ -108,10 +131,16 @@ def test_max_samples_is_deterministic_and_seeded(tmp_path):
     a = jsonl(tmp_path / "a.jsonl", [qa(i) for i in range(100)])
 
     def sampled(seed: int, run: str) -> list[int]:
-        mix_path = write_mix(tmp_path, [{"name": "a", "path": a, "format": "instruction", "max_samples": 10}], seed=seed)
+        mix_path = write_mix(
+            tmp_path, [{"name": "a", "path": a, "format": "instruction", "max_samples": 10}], seed=seed
+        )
         manifest, layout = prepare(mix_path, tmp_path / run)
         assert (manifest.sources["a"].kept, manifest.sources["a"].sampled_out) == (10, 90)
-        recs = [r for s in manifest.shards for r in prompts_from_table(layout.storage.read_table(layout.prompt_shard(s.shard_id)))]
+        recs = [
+            r
+            for s in manifest.shards
+            for r in prompts_from_table(layout.storage.read_table(layout.prompt_shard(s.shard_id)))
+        ]
         return sorted(r.row_index for r in recs)
 
     first = sampled(0, "r1")
@@ -132,7 +161,10 @@ def test_run_id_follows_mix_and_data(tmp_path):
     assert run_id_for(load_mix(write_mix(moved, [{"name": "a", "path": a, "format": "instruction"}]))) == rid
     jsonl(tmp_path / "a.jsonl", [qa(1)])
     assert run_id_for(load_mix(mix_path)) != rid
-    assert run_id_for(load_mix(write_mix(tmp_path, [{"name": "a", "path": a, "format": "instruction"}], seed=3))) != rid
+    assert (
+        run_id_for(load_mix(write_mix(tmp_path, [{"name": "a", "path": a, "format": "instruction"}], seed=3)))
+        != rid
+    )
 
 
 def test_manifest_written_last_and_rerun_is_a_no_op(tmp_path):
@@ -148,14 +180,19 @@ def test_manifest_written_last_and_rerun_is_a_no_op(tmp_path):
 def test_hf_source_with_relative_data_files(tmp_path):
     (tmp_path / "sub").mkdir()
     jsonl(tmp_path / "sub" / "h.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
-    mix_path = write_mix(tmp_path, [{"name": "h", "hf": {"path": "json", "data_files": "sub/h.jsonl"}, "format": "messages"}])
+    mix_path = write_mix(
+        tmp_path, [{"name": "h", "hf": {"path": "json", "data_files": "sub/h.jsonl"}, "format": "messages"}]
+    )
     manifest, _ = prepare(mix_path, tmp_path / "data")
     assert manifest.sources["h"].kept == 1
 
 
 def test_missing_file_and_empty_result_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
-        prepare(write_mix(tmp_path, [{"name": "a", "path": "nope.jsonl", "format": "instruction"}]), tmp_path / "d1")
+        prepare(
+            write_mix(tmp_path, [{"name": "a", "path": "nope.jsonl", "format": "instruction"}]),
+            tmp_path / "d1",
+        )
     a = jsonl(tmp_path / "a.jsonl", [{"bad": 1}])
     with pytest.raises(ConfigError, match="no prompts to regenerate"):
         prepare(write_mix(tmp_path, [{"name": "a", "path": a, "format": "instruction"}]), tmp_path / "d2")

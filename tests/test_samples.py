@@ -57,7 +57,11 @@ def test_each_file_prepares_alone(name, tmp_path):
     s = manifest.sources[name]
     assert (s.read, s.kept, s.duplicate, s.quarantined, s.sampled_out) == FILES[name][3]
     layout = RunLayout(Storage(str(tmp_path)), "r")
-    got = [r for sh in manifest.shards for r in prompts_from_table(layout.storage.read_table(layout.prompt_shard(sh.shard_id)))]
+    got = [
+        r
+        for sh in manifest.shards
+        for r in prompts_from_table(layout.storage.read_table(layout.prompt_shard(sh.shard_id)))
+    ]
     assert len(got) == s.kept
 
 
@@ -90,20 +94,28 @@ def test_xtuner_tool_calls_parts_reasoning_and_newlines():
     recs = records(mix_of(["xtuner_tools"]), "xtuner_tools")
     msgs = [m for r in recs for m in r.conversation.messages]
     calls = [c for m in msgs for c in (m.tool_calls or ())]
-    assert len(calls) == 9 and all(json.loads(c.arguments)["location"] for c in calls if "location" in c.arguments)
-    assert all(isinstance(c.arguments, str) for c in calls)
+    assert len(calls) == 9 and all(
+        isinstance(json.loads(c.arguments), dict) for c in calls
+    )  # objects -> JSON
     tools = [m for m in msgs if m.role == "tool"]
-    assert len(tools) == 9 and all(m.tool_call_id is None and m.name == "get_weather" for m in tools)
+    # the file's tool messages carry no id: they take the name and id of the call they answer, in order
+    ids = {c.id for c in calls}
+    assert len(tools) == 9 and all(m.name == "get_weather" and m.tool_call_id in ids for m in tools)
     assert sum(m.reasoning_content is not None for m in msgs) == 18
     assert sum(r.num_dropped_parts for r in recs) == 9  # 3 images and 6 videos
     rec3 = next(r for r in recs if r.row_index == 2)  # record id 3
     assistant = rec3.conversation.messages[-1]
-    assert assistant.content.startswith("\n") and assistant.reasoning_content == "\n这是 reasoning_content 内容\n"
+    assert (
+        assistant.content.startswith("\n")
+        and assistant.reasoning_content == "\n这是 reasoning_content 内容\n"
+    )
 
 
 def test_chinese_text_kept():
     recs = records(mix_of(["xtuner_text"]), "xtuner_text")
-    assert sum(any("\u4e00" <= ch <= "\u9fff" for ch in r.conversation.messages[0].content) for r in recs) == 100
+    assert (
+        sum(any("\u4e00" <= ch <= "\u9fff" for ch in r.conversation.messages[0].content) for r in recs) == 100
+    )
 
 
 def test_completion_end_marker_stripped_and_prompt_verbatim():

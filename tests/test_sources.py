@@ -45,13 +45,20 @@ def test_sharegpt_roles_system_and_function_call():
     assert rec.conversation.messages[2].content == "Looking."
     assert [(c.name, c.arguments) for c in calls] == [("lookup", '{"q": "x"}'), ("lookup", '{"q": "y"}')]
     assert [m.name for m in rec.conversation.messages[3:5]] == ["lookup", "lookup"]
-    assert rec.conversation.tools == ({"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}},)
+    assert rec.conversation.tools == (
+        {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}},
+    )
     assert rec.row_index == 3 and rec.source == "s"
     assert rec.prompt_id == compute_prompt_id(rec.conversation)
 
 
 def test_function_call_without_preceding_assistant_opens_a_turn():
-    raw = {"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": '{"name": "f"}'}]}
+    raw = {
+        "conversations": [
+            {"from": "human", "value": "hi"},
+            {"from": "function_call", "value": '{"name": "f"}'},
+        ]
+    }
     rec = normalize_row(spec("sharegpt"), raw, 0)
     m = rec.conversation.messages[1]
     assert (m.role, m.content, m.tool_calls[0].arguments) == ("assistant", "", "{}")
@@ -79,7 +86,9 @@ def test_messages_tool_calls_parts_and_role_aliases():
 
 
 def test_instruction_and_prompt_response():
-    rec = normalize_row(spec("instruction"), {"instruction": "Sum.", "input": "1 2", "output": "3", "system": "S"}, 0)
+    rec = normalize_row(
+        spec("instruction"), {"instruction": "Sum.", "input": "1 2", "output": "3", "system": "S"}, 0
+    )
     assert [(m.role, m.content) for m in rec.conversation.messages] == [
         ("system", "S"),
         ("user", "Sum.\n\n1 2"),
@@ -87,7 +96,11 @@ def test_instruction_and_prompt_response():
     ]
     rec = normalize_row(spec("instruction"), {"instruction": "Hi.", "input": ""}, 0)
     assert [(m.role, m.content) for m in rec.conversation.messages] == [("user", "Hi.")]
-    rec = normalize_row(spec("prompt_response", fields={"response": "completion"}), {"prompt": "Q\n", "completion": "A<|endoftext|>"}, 0)
+    rec = normalize_row(
+        spec("prompt_response", fields={"response": "completion"}),
+        {"prompt": "Q\n", "completion": "A<|endoftext|>"},
+        0,
+    )
     assert [(m.role, m.content) for m in rec.conversation.messages] == [("user", "Q\n"), ("assistant", "A")]
 
 
@@ -99,14 +112,20 @@ def test_pretokenized_passthrough_and_id():
 
 def test_field_renames_top_level_and_turn_keys():
     raw = {"dialog": [{"speaker": "user", "text": "hey"}]}
-    rec = normalize_row(spec("sharegpt", fields={"conversations": "dialog", "from": "speaker", "value": "text"}), raw, 0)
+    rec = normalize_row(
+        spec("sharegpt", fields={"conversations": "dialog", "from": "speaker", "value": "text"}), raw, 0
+    )
     assert rec.conversation.messages[0].content == "hey"
 
 
 def test_same_content_same_id_across_formats():
     a = normalize_row(spec("instruction"), {"instruction": "Q", "output": "A"}, 0)
     b = normalize_row(spec("prompt_response"), {"prompt": "Q", "response": "A"}, 9)
-    c = normalize_row(spec("sharegpt"), {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}, 1)
+    c = normalize_row(
+        spec("sharegpt"),
+        {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
+        1,
+    )
     assert a.prompt_id == b.prompt_id == c.prompt_id
 
 

@@ -51,7 +51,9 @@ _dtypes = click.Choice(["bfloat16", "float16", "float32", "keep"])
 @main.command("export")
 @click.argument("ckpt", type=click.Path(exists=True))
 @_out
-@click.option("--target-config", type=click.Path(exists=True), help="Target's config.json (or folder) to check against.")
+@click.option(
+    "--target-config", type=click.Path(exists=True), help="Target's config.json (or folder) to check against."
+)
 @click.option("--dtype", type=_dtypes, default="bfloat16", show_default=True, help="Float tensor dtype.")
 @_overwrite
 @_keep
@@ -62,7 +64,12 @@ def export_cmd(ckpt, out, target_config, dtype, overwrite, keep_failed, as_json)
 
     try:
         report = export_checkpoint(
-            ckpt, out, target=_target(target_config), dtype=dtype, overwrite=overwrite, keep_failed=keep_failed
+            ckpt,
+            out,
+            target=_target(target_config),
+            dtype=dtype,
+            overwrite=overwrite,
+            keep_failed=keep_failed,
         )
     except ExportRefused as e:
         _refused(e, as_json)
@@ -121,7 +128,9 @@ def convert_draft_cmd(src, out, target_config, dtype, overwrite, keep_failed, as
 @main.command("launch-sglang")
 @click.option("--target", required=True, help="Target model directory (its config.json checks the draft).")
 @click.option("--draft", type=click.Path(), help="EAGLE-3 draft directory; validated before launch.")
-@click.option("--speculative-algorithm", "algo", help="Default EAGLE3; EAGLE is refused for an EAGLE-3 draft.")
+@click.option(
+    "--speculative-algorithm", "algo", help="Default EAGLE3; EAGLE is refused for an EAGLE-3 draft."
+)
 @click.option("--spec-steps", type=int, default=3, show_default=True, help="--speculative-num-steps")
 @click.option("--spec-topk", type=int, default=1, show_default=True, help="--speculative-eagle-topk")
 @click.option("--spec-draft-tokens", type=int, help="--speculative-num-draft-tokens [steps+1 when topk is 1]")
@@ -130,14 +139,22 @@ def convert_draft_cmd(src, out, target_config, dtype, overwrite, keep_failed, as
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--extra", multiple=True, help="Extra SGLang argument (repeatable; shell-split).")
 @click.option("--print", "print_only", is_flag=True, help="Print the command instead of running it.")
-def launch_sglang_cmd(target, draft, algo, spec_steps, spec_topk, spec_draft_tokens, tp, port, host, extra, print_only):
+def launch_sglang_cmd(
+    target, draft, algo, spec_steps, spec_topk, spec_draft_tokens, tp, port, host, extra, print_only
+):
     """Launch SGLang for the target (Kimi-K2.5 flags, metrics on), refusing a draft it would serve wrong.
     The API key comes from REGEN_ENDPOINT_API_KEY (or REGEN_ENDPOINT_API_KEY_FILE) and is never printed."""
     import shlex
 
     from pydantic import ValidationError
 
-    from regen_service.deploy.launch import DraftPreflightError, LaunchSpec, SpecParams, api_key_from_env, build_launch
+    from regen_service.deploy.launch import (
+        DraftPreflightError,
+        LaunchSpec,
+        SpecParams,
+        api_key_from_env,
+        build_launch,
+    )
     from regen_service.drafter.validate import format_report
 
     try:
@@ -159,7 +176,9 @@ def launch_sglang_cmd(target, draft, algo, spec_steps, spec_topk, spec_draft_tok
         )
         launch = build_launch(spec)
     except ValidationError as e:
-        raise click.UsageError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+        raise click.UsageError(
+            "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        ) from None
     except DraftPreflightError as e:
         click.echo(format_report(e.report), err=True)
         raise click.ClickException(f"{e}. Fix the draft (see above) and run again.") from None
@@ -179,7 +198,9 @@ def launch_sglang_cmd(target, draft, algo, spec_steps, spec_topk, spec_draft_tok
 @click.option("--concurrency", multiple=True, type=int, default=(1,), show_default=True, help="Repeatable.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--limit", type=int, help="Use only the first N prompts.")
-@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per request, seconds.")
+@click.option(
+    "--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per request, seconds."
+)
 @_json
 def bench_spec_cmd(endpoint, baseline, prompts_file, concurrency, max_new_tokens, limit, timeout_s, as_json):
     """Accept length, tokens/s and speed-up of a speculative endpoint; exit 1 when speculation collapsed."""

@@ -54,7 +54,7 @@ class EndpointPool:
         self._cond = asyncio.Condition()
         self.endpoints = [Endpoint(url, config, target_model, self._notify) for url in config.endpoints]
         self._backoff = wait_exponential_jitter(
-            initial=config.backoff_initial_s, max=config.backoff_max_s, jitter=config.backoff_jitter_s
+            multiplier=config.backoff_initial_s, max=config.backoff_max_s, jitter=config.backoff_jitter_s
         )
 
     # --- lifecycle ---------------------------------------------------------------------------

@@ -128,7 +128,12 @@ async def fetch_server_accept(client: httpx.AsyncClient) -> float | None:
 
 
 async def run_once(
-    url: str, prompts: list[Prompt], concurrency: int, max_new_tokens: int, api_key: SecretStr | None, timeout_s: float
+    url: str,
+    prompts: list[Prompt],
+    concurrency: int,
+    max_new_tokens: int,
+    api_key: SecretStr | None,
+    timeout_s: float,
 ) -> RunResult:
     headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2)

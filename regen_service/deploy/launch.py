@@ -133,7 +133,9 @@ def build_launch(spec: LaunchSpec) -> Launch:
         arch = draft_architecture(draft)
         algo = (spec.speculative_algorithm or fmt.SPEC_ALGORITHM).upper()
         if arch == fmt.ARCHITECTURE and algo != fmt.SPEC_ALGORITHM:
-            raise ConfigError(_eagle_refusal(spec.draft) if algo == "EAGLE" else f"{algo} cannot serve {arch}")
+            raise ConfigError(
+                _eagle_refusal(spec.draft) if algo == "EAGLE" else f"{algo} cannot serve {arch}"
+            )
         argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.draft]
         argv += ["--speculative-num-steps", str(spec.spec.num_steps)]
         argv += ["--speculative-eagle-topk", str(spec.spec.eagle_topk)]

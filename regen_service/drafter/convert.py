@@ -63,7 +63,9 @@ def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, 
             "before hidden_norm and would compute a different function. Retrain with norm_before_residual=false"
         )
     if src_cfg.get("norm_before_fc"):
-        raise ConfigError("this draft normalizes before fc (norm_before_fc, input_norm); SGLang has no such layer")
+        raise ConfigError(
+            "this draft normalizes before fc (norm_before_fc, input_norm); SGLang has no such layer"
+        )
     layer = src_cfg.get("transformer_layer_config") or {}
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ConfigError(
@@ -89,7 +91,9 @@ def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, 
             "eagle_aux_hidden_state_layer_ids": fmt.aux_inputs_to_config(aux),
             "use_aux_hidden_state": True,
         }
-        notes.append(f"aux layers: captured inputs {aux} -> SGLang config ids {fmt.aux_inputs_to_config(aux)}")
+        notes.append(
+            f"aux layers: captured inputs {aux} -> SGLang config ids {fmt.aux_inputs_to_config(aux)}"
+        )
     else:
         notes.append("no aux layer ids in the source and no --target-config: SGLang will use its default")
     return cfg, notes

@@ -55,7 +55,7 @@ def _load_state(step: Path) -> dict:
     path = step / "state.pt"
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - fall back for checkpoints that pickle non-tensor objects
+    except Exception:
         # The file is our own trainer's output (the operator points at it); optimizer or scheduler
         # states can hold objects weights_only refuses.
         return torch.load(path, map_location="cpu", weights_only=False)
@@ -98,7 +98,9 @@ def build_config(draft_config: dict, aux_inputs: list[int]) -> dict:
     return cfg
 
 
-def write_draft(out: Path, tensors: dict, cfg: dict, dtype: str = "bfloat16", metadata: dict | None = None) -> None:
+def write_draft(
+    out: Path, tensors: dict, cfg: dict, dtype: str = "bfloat16", metadata: dict | None = None
+) -> None:
     """Write model.safetensors (float tensors cast to dtype; d2t int64, t2d bool) and config.json."""
     import torch
     from safetensors.torch import save_file
@@ -129,7 +131,9 @@ def finalize(tmp: Path, out: Path, report: DraftReport, keep_failed: bool, what:
             kept = tmp
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportRefused(f"{what} refused: {len(report.errors)} problem(s); nothing written to {out}", report, kept)
+        raise ExportRefused(
+            f"{what} refused: {len(report.errors)} problem(s); nothing written to {out}", report, kept
+        )
     if out.exists():
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
@@ -174,7 +178,10 @@ def export_checkpoint(
     if target is None:
         # No target config given: check against what the checkpoint says it was trained for.
         target = fmt.TargetInfo(
-            cfg["target_hidden_size"], state["target_num_layers"], cfg["vocab_size"], source=f"{step}/state.pt"
+            cfg["target_hidden_size"],
+            state["target_num_layers"],
+            cfg["vocab_size"],
+            source=f"{step}/state.pt",
         )
     out = Path(out)
     tmp = prepare_out(out, overwrite)

@@ -149,7 +149,9 @@ def load_target_info(path: str | Path) -> TargetInfo:
         raise FileNotFoundError(f"target config {p} not found: pass the target's config.json or its folder")
     cfg = json.loads(p.read_text())
     text = cfg.get("text_config") or cfg
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text and k not in cfg]
+    missing = [
+        k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text and k not in cfg
+    ]
     if missing:
         raise ValueError(f"target config {p} lacks {', '.join(missing)} (also looked under text_config)")
     get = lambda k: text.get(k, cfg.get(k))  # noqa: E731

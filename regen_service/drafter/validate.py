@@ -169,7 +169,7 @@ def _check_keys(rep: DraftReport, cfg: dict, tensors: dict) -> None:
     if "fc.bias" in tensors and not cfg.get("bias"):
         rep.add(
             "fc_bias_skipped",
-            "fc.bias is present but config.json has no `\"bias\": true`, so SGLang builds fc without a bias "
+            'fc.bias is present but config.json has no `"bias": true`, so SGLang builds fc without a bias '
             "and skips it silently",
             'set "bias": true in config.json (or drop fc.bias if it is all zeros)',
         )
@@ -325,7 +325,9 @@ def _summary(cfg: dict, header: dict, files: list[Path], target: fmt.TargetInfo 
     import math
 
     ids = fmt.aux_ids(cfg)
-    params = sum(math.prod(e["shape"]) for k, e in header.items() if fmt.canonical_key(k) not in ("d2t", "t2d"))
+    params = sum(
+        math.prod(e["shape"]) for k, e in header.items() if fmt.canonical_key(k) not in ("d2t", "t2d")
+    )
     return {
         "architecture": (cfg.get("architectures") or [None])[0],
         "hidden_size": cfg.get("hidden_size"),

@@ -182,8 +182,9 @@ class Run:
     def finish(self, completion_tokens: int) -> dict:
         """Count the attempt as completed; returns the speculative meta fields, if any."""
         spec = self.engine.spec_fields(completion_tokens)
-        e2e = time.monotonic() - self.prep.t_arrival
-        self.engine.stats.finished(e2e, completion_tokens, spec.get("spec_verify_ct", 0))
+        if self.plan.kind != "abort":  # an aborted answer is not a completed one
+            e2e = time.monotonic() - self.prep.t_arrival
+            self.engine.stats.finished(e2e, completion_tokens, spec.get("spec_verify_ct", 0))
         return spec
 
     def close(self) -> None:

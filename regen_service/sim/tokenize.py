@@ -1,6 +1,6 @@
 """Token ids for the simulator: a built-in synthetic vocabulary, or a local Hugging Face tokenizer.
 
-Both give the same small interface: `count` (prompt tokens), `encode`/`decode` (exact on generated
+Both (the second is in hf.py) give the same small interface: `count` (prompt tokens), `encode`/`decode` (exact on generated
 text, so decode(output_ids) == text), `filler` (n token ids of plausible words for an answer) and
 `render_chat` (the Kimi chat template applied with add_generation_prompt). What the answer says is
 decided in answers.py; this module only turns text into ids and back.
@@ -16,6 +16,7 @@ import itertools
 import json
 import random
 import re
+from typing import Protocol
 
 MARKERS = {
     "[BOS]": 163584,
@@ -73,6 +74,19 @@ _ENCODE_RE = re.compile(rf"{_MARKER_RE}| ?[A-Za-z]+|.", re.DOTALL)
 _COUNT_RE = re.compile(rf"{_MARKER_RE}|\w+|[^\w\s]")
 
 
+class Tokenizer(Protocol):
+    path: str | None
+    im_end_id: int
+
+    def count(self, text: str) -> int: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def filler(self, rng: random.Random, n: int) -> list[int]: ...
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None, kwargs: dict
+    ) -> tuple[str, int]: ...
+
+
 class SyntheticTokenizer:
     """Word-level ids over WORDS plus byte fallback; no files, no downloads."""
 
@@ -127,47 +141,18 @@ class SyntheticTokenizer:
         return text, self.count(text)
 
 
-class HFTokenizer:
-    """A local Hugging Face tokenizer directory (never downloaded); its chat template renders prompts."""
-
-    def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.path = path
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=True)
-        end = self._tok.convert_tokens_to_ids(IM_END)
-        unk = getattr(self._tok, "unk_token_id", None)
-        self.im_end_id = end if isinstance(end, int) and end != unk else self._tok.eos_token_id
-
-    def count(self, text: str) -> int:
-        return len(self.encode(text))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
-
-    def filler(self, rng: random.Random, n: int) -> list[int]:
-        if n <= 0:
-            return []
-        ids: list[int] = []
-        while len(ids) < n:
-            ids += self.encode(" " + " ".join(rng.choices(WORDS, cum_weights=_CUM_WEIGHTS, k=n - len(ids))))
-        return ids[:n]
-
-    def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> tuple[str, int]:
-        text = self._tok.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
-        )
-        return text, self.count(text)
-
-
-Tokenizer = SyntheticTokenizer | HFTokenizer
-
-
 def load_tokenizer(path: str | None) -> Tokenizer:
-    return HFTokenizer(path) if path else SyntheticTokenizer()
+    """The synthetic vocabulary, or the local Hugging Face tokenizer at `path` (see hf.py)."""
+    if not path:
+        return SyntheticTokenizer()
+    from regen_service.sim.hf import HFTokenizer
+
+    return HFTokenizer(path)
+
+
+def word_weights() -> list[int]:
+    """Cumulative weights over WORDS for rng.choices."""
+    return _CUM_WEIGHTS
 
 
 def render_kimi_chat(messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:

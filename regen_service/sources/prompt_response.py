@@ -28,10 +28,9 @@ def strip_end_markers(text: str) -> str:
 def normalize(raw: dict, fields: Fields) -> Normalized:
     k_prompt, k_resp, k_sys = fields("prompt"), fields("response"), fields("system")
     if k_prompt not in raw:
-        hint = ""
-        if "prompt" not in raw and "completion" in raw:
-            hint = " (the row has `completion`: map the response with `fields: {response: completion}`)"
-        raise RowError(f"{k_prompt}: missing{hint}")
+        raise RowError(
+            f"{k_prompt}: missing; a prompt_response row needs `{k_prompt}` (and optionally `{k_resp}`)"
+        )
     prompt = check_text(raw[k_prompt], k_prompt)
     if not prompt.strip():
         raise RowError(f"{k_prompt}: empty prompt; nothing to prompt the target with")
