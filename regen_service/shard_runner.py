@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from regen_service.errors import LeaseLostError
 from regen_service.ledger import Ledger
+from regen_service.metrics import SHARDS_FINISHED, SHARDS_IN_PROGRESS, count_row
 from regen_service.reuse import reused_rows
 from regen_service.rows import outputs_to_table, prompts_from_table
 from regen_service.runinfo import load_run_mix
@@ -122,6 +123,7 @@ def process_shard(
     owner = owner_token(runtime.config.hostname)
     if not ledger.acquire_lease(run_id, shard_id, owner):
         raise ShardBusy(f"shard {run_id}/{shard_id} is held by {ledger.lease_holder(run_id, shard_id)}")
+    SHARDS_IN_PROGRESS.inc()
     try:
         mix = load_run_mix(layout)
         records = prompts_from_table(storage.read_table(layout.prompt_shard(shard_id)))
@@ -144,6 +146,7 @@ def process_shard(
         for row in reused_rows(layout, pending).values():
             shard_log.append(row)  # durable like an answer, so a crash does not lose the copy
             prog.add(row, new=False)
+            count_row(row)
         todo = [r for r in records if r.prompt_id not in prog.rows]
         ledger.set_shard_state(run_id, shard_id, "running")
         _record_progress(ledger, run_id, shard_id, prog)
@@ -170,6 +173,7 @@ def process_shard(
             num_tokens=prog.tokens,
         )
         ledger.mark_shard_done(ev)
+        SHARDS_FINISHED.inc()
         return ShardOutcome(
             run_id,
             shard_id,
@@ -182,6 +186,7 @@ def process_shard(
             seconds=time.monotonic() - t0,
         )
     finally:
+        SHARDS_IN_PROGRESS.dec()
         ledger.release_lease(run_id, shard_id, owner)
 
 
@@ -221,6 +226,7 @@ async def _answer_all(
         row.setdefault("reused_from", None)
         shard_log.append(row)
         prog.add(row, new=True)
+        count_row(row)
 
     hb = asyncio.create_task(heartbeat())
     try:

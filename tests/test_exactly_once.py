@@ -211,7 +211,8 @@ def test_chaos_kills_and_wipe_exactly_once(settings, settings_env, tmp_path, red
         "REGEN_DATA_ROOT": ref_settings.data_root,
     }
     ref = enqueue(ref_settings, mix)
-    with sim_server("--decode-tok-s", "0", "--seed", "3") as url, worker_process(ref_env, url) as w:
+    ref_sim = ("--decode-tok-s", "0", "--answer-len-mean", "20", "--seed", "3")  # same answers, no delay
+    with sim_server(*ref_sim) as url, worker_process(ref_env, url) as w:
         wait_run_done(ref_settings, ref.run_id, procs=(w,), timeout_s=120)
     ref_rows = {r["prompt_id"]: comparable(r) for r in output_rows(ref_settings, ref.run_id)}
     assert {r["prompt_id"]: comparable(r) for r in rows} == ref_rows

@@ -1,3 +1,44 @@
-"""CLI commands: drafter (being written)."""
+"""CLI commands of the drafter: `regen train` (export/validate commands are added by their owners).
 
-from regen_service.cli.base import main  # noqa: F401
+torch and transformers are imported inside the command, so `regen --help` stays fast and works on
+hosts without them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from regen_service.cli.base import main
+
+
+@main.command("train")
+@click.option("--run", "run_id", required=True, help="Run id whose output shards to train on.")
+@click.option("--target", "target_path", required=True, help="Local Hugging Face directory of the target model.")
+@click.option("--out", "out_dir", required=True, help="Output directory (checkpoints/, metrics.jsonl).")
+@click.option("--follow", is_flag=True, help="Keep training as shards land; stop when the run is done and consumed.")
+@click.option("--config", "config_path", default=None, help="train.yaml (TrainConfig fields).")
+@click.option("--group", default="trainer", show_default=True, help="Redis consumer group shared by cooperating trainers.")
+@click.option("--consumer", default=None, help="Consumer name in the group (default: derived from host and --out).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer, device) -> None:
+    """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
+    from regen_service.drafter.config import TrainConfig
+    from regen_service.drafter.runner import train_from_run
+    from regen_service.errors import ConfigError
+    from regen_service.settings import Settings
+
+    settings = Settings.from_env()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = TrainConfig.load(config_path)
+        summary = train_from_run(
+            settings, run_id, target_path, out_dir, cfg, follow=follow, group=group, consumer=consumer, device=device
+        )
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(summary, default=str))
+    sys.stdout.flush()

@@ -25,7 +25,12 @@ from schemas.tables import OUTPUT_SCHEMA
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
 
 
-def make_tiny_target(path: str | Path, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+def make_tiny_target(
+    path: str | Path, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0, embed_scale: float = 1.0
+) -> Path:
+    """embed_scale > 1 makes the token's own embedding dominate the residual stream, so the random
+    model's next token depends mostly on the current token and less on the context (a structured,
+    learnable target; with 1.0 its greedy text is close to noise)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
@@ -43,40 +48,44 @@ def make_tiny_target(path: str | Path, layers: int = 4, hidden: int = 64, heads:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return Path(path)
 
 
 def random_prompts(tok, n: int, words: int, seed: int, pool: int = 64) -> list[list[int]]:
-    """Chat-templated prompts of random plain tokens drawn from a fixed pool of `pool` ids (the same
-    pool for every seed, so held-out prompts share the training data's token space)."""
+    """Chat-templated prompts (token ids, all the same length) whose user text is `words` random plain
+    tokens from a fixed pool of `pool` ids: the same pool for every seed, so held-out prompts share
+    the training data's token space."""
     rng = random.Random(seed)
     special = set(tok.all_special_ids)
     plain = [i for i in range(len(tok)) if i not in special and not tok.convert_ids_to_tokens(i).startswith("<|")]
     plain = random.Random(0).sample(plain, min(pool, len(plain)))
-    out = []
-    for _ in range(n):
-        text = tok.decode([rng.choice(plain) for _ in range(words)])
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-    return out
+    text = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False, add_generation_prompt=True)
+    head, tail = (tok.encode(part, add_special_tokens=False) for part in text.split("\x00"))
+    return [head + [rng.choice(plain) for _ in range(words)] + tail for _ in range(n)]
 
 
 @torch.no_grad()
 def greedy_rows(
     target_path: str | Path, run_id: str, n: int, new_tokens: int = 48, seed: int = 0, words: int = 12, pool: int = 64
 ) -> list[dict]:
+    """n rows answered by the target's greedy decoding (one batch: the prompts share a length)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(target_path, local_files_only=True).eval()
+    prompts = random_prompts(tok, n, words, seed, pool)
+    x = torch.tensor(prompts)
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
     rows = []
-    for i, prompt in enumerate(random_prompts(tok, n, words, seed, pool)):
-        x = torch.tensor([prompt])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        gen = out[0, len(prompt) :].tolist()
-        ids = prompt + gen
+    for i, prompt in enumerate(prompts):
+        gen = out[i, len(prompt) :].tolist()
         rows.append(
             {
                 "run_id": run_id,
@@ -87,7 +96,7 @@ def greedy_rows(
                     {"role": "user", "content": tok.decode(prompt)},
                     {"role": "assistant", "content": tok.decode(gen)},
                 ],
-                "input_ids": ids,
+                "input_ids": prompt + gen,
                 "loss_mask": [0] * len(prompt) + [1] * len(gen),
                 "api": "generate",
                 "completion_tokens": len(gen),

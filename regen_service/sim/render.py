@@ -50,9 +50,11 @@ class AnswerText:
         a = self.answer
         tool_call = None
         content_end = k
-        if tool_parser and a.tool is not None and k >= a.tool[1]:
-            tool_call = a.tool_call
+        if tool_parser and a.tool is not None and k > a.tool[0]:
+            # the parser holds a section back until it is complete; a cut one is dropped
             content_end = a.tool[0]
+            if k >= a.tool[1]:
+                tool_call = a.tool_call
         if reasoning_parser and a.reasoning is not None:
             rs, re_ = a.reasoning
             reasoning = self.span(rs, min(k, re_))
