@@ -111,14 +111,13 @@ async def drive_direct(urls: list[str], args: argparse.Namespace, faults: bool) 
 
         rows: list[dict] = []
 
-
         async def lanes() -> None:
             # keep inflight_target requests outstanding; the target shrinks while an endpoint is ejected
             tasks: set[asyncio.Task] = set()
             while todo or tasks:
                 while todo and len(tasks) < pool.inflight_target:
                     tasks.add(asyncio.create_task(lane_once()))
-                finished, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
 
         async def lane_once() -> None:
             if todo:
@@ -146,7 +145,10 @@ def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dic
     work = Path(tempfile.mkdtemp(prefix="regen-bench-"))
     with open(work / "bench.jsonl", "w") as f:
         for r in records(args.prompts):
-            f.write(json.dumps({"messages": [m.model_dump(exclude_none=True) for m in r.conversation.messages]}) + "\n")
+            f.write(
+                json.dumps({"messages": [m.model_dump(exclude_none=True) for m in r.conversation.messages]})
+                + "\n"
+            )
     m = mix().model_dump(exclude={"base_dir"})
     (work / "mix.yaml").write_text(json.dumps(m))
     env = {**os.environ, "REGEN_DATA_ROOT": str(work / "data"), "REGEN_KEY_PREFIX": f"bench{os.getpid()}"}
@@ -154,7 +156,9 @@ def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dic
     targets = []
     for u in urls:
         info = httpx.get(f"{u}/get_server_info").json()
-        targets.append(min(info["max_running_requests"] * 2, info["max_running_requests"] + info["max_queued_requests"]))
+        targets.append(
+            min(info["max_running_requests"] * 2, info["max_running_requests"] + info["max_queued_requests"])
+        )
     endpoint_args = [a for u in urls for a in ("--endpoint", u)]
     worker = subprocess.Popen([*REGEN, "worker", *endpoint_args], env=env, stdout=subprocess.DEVNULL)
     samples, t0, started = [], None, False
@@ -166,7 +170,9 @@ def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dic
             if not started and outstanding:
                 started, t0 = True, time.monotonic()
                 if faults:
-                    injector = subprocess.Popen([sys.executable, "-c", _INJECT, json.dumps(urls), json.dumps(vars(args))])
+                    injector = subprocess.Popen(
+                        [sys.executable, "-c", _INJECT, json.dumps(urls), json.dumps(vars(args))]
+                    )
             if started:
                 samples.append(outstanding / sum(targets))
             if sum(s["completed"] for s in stats) >= args.prompts:
@@ -205,7 +211,7 @@ def main() -> None:
     p.add_argument("--max-running", type=int, default=32)
     # long enough answers that a 30 s outage of one of three sims is a bounded share of the run
     p.add_argument("--answer-len-mean", type=int, default=100)
-    p.add_argument("--answer-len-max", type=int, default=400)
+    p.add_argument("--answer-len-max", type=int, default=250)
     # a coarser scheduler tick means fewer, fatter stream events: the client's CPU is not what is measured
     p.add_argument("--tick-s", type=float, default=0.1)
     p.add_argument("--fault-503-rate", type=float, default=0.1)

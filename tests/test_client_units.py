@@ -30,7 +30,18 @@ async def _collect(lines, stall_s: float = 1.0):
 
 
 def test_sse_events_parse_until_done():
-    lines = [": keep-alive", "", 'data: {"a": 1}', "", "data: {", 'data: "b": 2}', "", "data: [DONE]", "", 'data: {"c":3}']
+    lines = [
+        ": keep-alive",
+        "",
+        'data: {"a": 1}',
+        "",
+        "data: {",
+        'data: "b": 2}',
+        "",
+        "data: [DONE]",
+        "",
+        'data: {"c":3}',
+    ]
     assert asyncio.run(_collect(_lines(lines))) == [{"a": 1}, {"b": 2}]
 
 
@@ -95,14 +106,38 @@ def test_chat_stream_deltas_tools_usage():
         {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
         {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]},
         {"choices": [{"index": 0, "delta": {"content": "Hi"}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "functions.f:0", "function": {"name": "f", "arguments": '{"x"'}}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "functions.f:0",
+                                "function": {"name": "f", "arguments": '{"x"'},
+                            }
+                        ]
+                    },
+                }
+            ]
+        },
+        {
+            "choices": [
+                {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}
+            ]
+        },
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
         {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}},
     ):
         acc.feed(chunk)
     c = acc.result()
-    assert (c.reasoning_content, c.content, c.finish_reason, c.completion_tokens) == ("hm", "Hi", "tool_calls", 9)
+    assert (c.reasoning_content, c.content, c.finish_reason, c.completion_tokens) == (
+        "hm",
+        "Hi",
+        "tool_calls",
+        9,
+    )
     assert [(t.id, t.name, t.arguments) for t in c.tool_calls] == [("functions.f:0", "f", '{"x": 1}')]
     with pytest.raises(RetryableError):
         ChatStream("e").feed({"error": {"message": "queue full", "code": 503}})
@@ -113,7 +148,9 @@ def test_kimi_output_parsing_and_loss_mask():
     reasoning, answer = split_thinking(raw, prompt_opens_think=True, truncated=False)
     content, calls = parse_tool_calls(answer)
     assert reasoning == "hmm" and content == "Sure."
-    assert [(c.id, c.name, c.arguments) for c in calls] == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}')]
+    assert [(c.id, c.name, c.arguments) for c in calls] == [
+        ("functions.get_weather:0", "get_weather", '{"city": "Paris"}')
+    ]
     assert split_thinking("still thinking", prompt_opens_think=True, truncated=True) == ("still thinking", "")
     assert split_thinking("plain", prompt_opens_think=False, truncated=False) == (None, "plain")
     assert loss_mask_for([9, 1, 2, 9, 3, 9], [4, 5], [[1, 2], [3], [8]]) == [0, 1, 1, 0, 1, 0, 1, 1]

@@ -63,9 +63,17 @@ def test_both_apis_stream_and_non_stream_agree(api, tok):
         incremental = _run(url, records, api, tok, stream=True, incremental_stream=True)
     for rows in (streamed, whole, incremental):
         assert_all_answered(rows, 12)
-    key = [(r["messages"], [t["text"] for t in r["turns"]], [t["output_ids"] for t in r["turns"]]) for r in streamed]
-    assert key == [(r["messages"], [t["text"] for t in r["turns"]], [t["output_ids"] for t in r["turns"]]) for r in whole]
-    assert key == [(r["messages"], [t["text"] for t in r["turns"]], [t["output_ids"] for t in r["turns"]]) for r in incremental]
+    key = [
+        (r["messages"], [t["text"] for t in r["turns"]], [t["output_ids"] for t in r["turns"]])
+        for r in streamed
+    ]
+    assert key == [
+        (r["messages"], [t["text"] for t in r["turns"]], [t["output_ids"] for t in r["turns"]]) for r in whole
+    ]
+    assert key == [
+        (r["messages"], [t["text"] for t in r["turns"]], [t["output_ids"] for t in r["turns"]])
+        for r in incremental
+    ]
     turn = streamed[0]["turns"][0]
     assert turn["ttft_s"] is not None and turn["latency_s"] > 0 and turn["completion_tokens"] > 0
     assert any(r["messages"][-1]["reasoning_content"] for r in streamed)
@@ -87,12 +95,20 @@ def test_generate_keeps_the_exact_output_ids(tok):
             assert row["loss_mask"] == [0] * len(prompt) + [1] * n_out
             direct = httpx.post(
                 f"{url}/generate",
-                json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 256, "skip_special_tokens": False}},
+                json={
+                    "input_ids": prompt,
+                    "sampling_params": {"max_new_tokens": 256, "skip_special_tokens": False},
+                },
             ).json()
             assert direct["output_ids"] == turn["output_ids"]
             assert direct["text"] == turn["text"]
             assert tok.decode(prompt) == tok.apply_chat_template(
-                [{"role": "user", "content": records[int(row["prompt_id"][1:])].conversation.messages[0].content}],
+                [
+                    {
+                        "role": "user",
+                        "content": records[int(row["prompt_id"][1:])].conversation.messages[0].content,
+                    }
+                ],
                 add_generation_prompt=True,
                 tokenize=False,
                 thinking=True,
@@ -119,7 +135,9 @@ def test_chat_without_reasoning_parser_is_split_client_side():
     records = simple_records(6)
     with sim_server(*FAST, *TOK_ARGS, "--think-prob", "1", "--tool-call-prob", "0") as url:
         parsed = _run(url, records, "chat", None)
-    with sim_server(*FAST, *TOK_ARGS, "--think-prob", "1", "--tool-call-prob", "0", "--reasoning-parser", "none") as url:
+    with sim_server(
+        *FAST, *TOK_ARGS, "--think-prob", "1", "--tool-call-prob", "0", "--reasoning-parser", "none"
+    ) as url:
         raw = _run(url, records, "chat", None)
     assert [r["messages"][-1] for r in raw] == [r["messages"][-1] for r in parsed]
 
@@ -157,7 +175,9 @@ def test_multi_turn_all_and_last(api, tok):
         assert row["messages"][2]["content"] == "DATASET ANSWER ONE"
     # ends with a user turn: a new assistant turn is appended
     assert [t["message_index"] for t in all_rows[4]["turns"]] == [1, 3] and len(all_rows[4]["messages"]) == 4
-    assert [t["message_index"] for t in last_rows[4]["turns"]] == [3] and last_rows[4]["messages"][1]["content"] == "DATASET"
+    assert [t["message_index"] for t in last_rows[4]["turns"]] == [3] and last_rows[4]["messages"][1][
+        "content"
+    ] == "DATASET"
 
 
 def _tool_conversation(i: int) -> PromptRecord:
@@ -186,7 +206,10 @@ def test_tool_results_kept_after_regenerated_tool_call(api, tok):
         assert roles == ["user", "assistant", "tool", "assistant"] and not row["error"]
         call = row["messages"][1]["tool_calls"][0]
         assert call["name"] == "get_weather" and json.loads(call["arguments"]) is not None
-        assert row["messages"][2]["content"] == '{"temp_c": 21}' and row["messages"][2]["tool_call_id"] == call["id"]
+        assert (
+            row["messages"][2]["content"] == '{"temp_c": 21}'
+            and row["messages"][2]["tool_call_id"] == call["id"]
+        )
         assert row["messages"][3]["content"] != "DATASET FINAL" and len(row["turns"]) == 2
     for row in no_call:  # the target answered without the tool: the row ends with its answer
         assert [m["role"] for m in row["messages"]] == ["user", "assistant"] and len(row["turns"]) == 1

@@ -2,7 +2,7 @@
 
 Thin on purpose: it is `regen train` (regen_service.cli.drafter) with the same flags, started the
 way process managers and torchrun expect a module (`torchrun --nproc_per_node 8 -m workers.trainer
-...`). Everything it does lives in regen_service.drafter.
+-- --run R ...`). Everything it does lives in regen_service.drafter.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from regen_service.cli.drafter import train_cmd
 
 
 def main(argv: list[str] | None = None) -> None:
-    train_cmd.main(args=sys.argv[1:] if argv is None else argv, prog_name="regen-trainer")
+    args = sys.argv[1:] if argv is None else argv
+    # torchrun's own parser takes `--run` for an abbreviation of its --run-path, so under torchrun the
+    # trainer's flags follow a `--` (torchrun ... -m workers.trainer -- --run R ...); drop it here
+    if args[:1] == ["--"]:
+        args = args[1:]
+    train_cmd.main(args=args, prog_name="regen-trainer")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,23 @@ from regen_service.cli.base import main
 
 @main.command("train")
 @click.option("--run", "run_id", required=True, help="Run id whose output shards to train on.")
-@click.option("--target", "target_path", required=True, help="Local Hugging Face directory of the target model.")
+@click.option(
+    "--target", "target_path", required=True, help="Local Hugging Face directory of the target model."
+)
 @click.option("--out", "out_dir", required=True, help="Output directory (checkpoints/, metrics.jsonl).")
-@click.option("--follow", is_flag=True, help="Keep training as shards land; stop when the run is done and consumed.")
+@click.option(
+    "--follow", is_flag=True, help="Keep training as shards land; stop when the run is done and consumed."
+)
 @click.option("--config", "config_path", default=None, help="train.yaml (TrainConfig fields).")
-@click.option("--group", default="trainer", show_default=True, help="Redis consumer group shared by cooperating trainers.")
-@click.option("--consumer", default=None, help="Consumer name in the group (default: derived from host and --out).")
+@click.option(
+    "--group",
+    default="trainer",
+    show_default=True,
+    help="Redis consumer group shared by cooperating trainers.",
+)
+@click.option(
+    "--consumer", default=None, help="Consumer name in the group (default: derived from host and --out)."
+)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer, device) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
@@ -36,7 +47,15 @@ def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer
     try:
         cfg = TrainConfig.load(config_path)
         summary = train_from_run(
-            settings, run_id, target_path, out_dir, cfg, follow=follow, group=group, consumer=consumer, device=device
+            settings,
+            run_id,
+            target_path,
+            out_dir,
+            cfg,
+            follow=follow,
+            group=group,
+            consumer=consumer,
+            device=device,
         )
     except ConfigError as e:
         raise click.ClickException(str(e)) from e

@@ -213,6 +213,10 @@ class Endpoint:
         self.consecutive_failures = 0
 
     def record_failure(self, exc: RetryableError) -> None:
+        if exc.status_code in (429, 503):
+            # Overload ("queue full"): the server is alive and answering; backoff handles it, and
+            # ejecting it would only idle a working server.
+            return
         self.consecutive_failures += 1
         if (
             isinstance(exc, ConnectionRefusedRetryable)

@@ -94,7 +94,13 @@ class ShardFeed:
         for entry_id, fields in entries:
             if fields and fields.get("type") == "shard_done" and fields.get("run_id") == self.run_id:
                 refs.append(
-                    ShardRef(entry_id, fields["run_id"], int(fields["shard_id"]), fields["path"], int(fields.get("num_rows", 0)))
+                    ShardRef(
+                        entry_id,
+                        fields["run_id"],
+                        int(fields["shard_id"]),
+                        fields["path"],
+                        int(fields.get("num_rows", 0)),
+                    )
                 )
             else:  # run_done, deleted entries, anything else: nothing to train
                 other.append(entry_id)
@@ -118,7 +124,9 @@ class ShardFeed:
     def _claim_stale(self) -> list[ShardRef]:
         out, start = [], "0-0"
         while True:
-            resp = self.r.xautoclaim(self.key, self.group, self.consumer, self.claim_idle_ms, start_id=start, count=50)
+            resp = self.r.xautoclaim(
+                self.key, self.group, self.consumer, self.claim_idle_ms, start_id=start, count=50
+            )
             start, entries = resp[0], resp[1]
             out += self._take([e for e in entries if e is not None])
             if start in ("0-0", b"0-0"):
@@ -208,4 +216,3 @@ class ShardFeed:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-

@@ -66,7 +66,9 @@ class ChatRenderer:
         n_asst = sum(1 for m in messages if m.get("role") == "assistant")
         spans = self.spans(text, n_asst)
         mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
-        return Example(torch.tensor(enc["input_ids"], dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+        return Example(
+            torch.tensor(enc["input_ids"], dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)
+        )
 
 
 def _clean_message(m: dict) -> dict:
@@ -74,7 +76,11 @@ def _clean_message(m: dict) -> dict:
     out["content"] = m.get("content") or ""
     if m.get("tool_calls"):
         out["tool_calls"] = [
-            {"id": tc.get("id"), "type": "function", "function": {"name": tc["name"], "arguments": tc["arguments"]}}
+            {
+                "id": tc.get("id"),
+                "type": "function",
+                "function": {"name": tc["name"], "arguments": tc["arguments"]},
+            }
             for tc in m["tool_calls"]
         ]
     return out
@@ -91,7 +97,10 @@ def table_examples(table: pa.Table, renderer_factory, max_length: int) -> tuple[
             stats["errors"] += 1
             continue
         if row.get("input_ids") and row.get("loss_mask") is not None:
-            ex = Example(torch.tensor(row["input_ids"], dtype=torch.int64), torch.tensor(row["loss_mask"], dtype=torch.int64))
+            ex = Example(
+                torch.tensor(row["input_ids"], dtype=torch.int64),
+                torch.tensor(row["loss_mask"], dtype=torch.int64),
+            )
             stats["token_rows"] += 1
         else:
             renderer = renderer or renderer_factory()

@@ -26,7 +26,13 @@ DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
 
 
 def make_tiny_target(
-    path: str | Path, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0, embed_scale: float = 1.0
+    path: str | Path,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    embed_scale: float = 1.0,
 ) -> Path:
     """embed_scale > 1 makes the token's own embedding dominate the residual stream, so the random
     model's next token depends mostly on the current token and less on the context (a structured,
@@ -61,16 +67,26 @@ def random_prompts(tok, n: int, words: int, seed: int, pool: int = 64) -> list[l
     the training data's token space."""
     rng = random.Random(seed)
     special = set(tok.all_special_ids)
-    plain = [i for i in range(len(tok)) if i not in special and not tok.convert_ids_to_tokens(i).startswith("<|")]
+    plain = [
+        i for i in range(len(tok)) if i not in special and not tok.convert_ids_to_tokens(i).startswith("<|")
+    ]
     plain = random.Random(0).sample(plain, min(pool, len(plain)))
-    text = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "\x00"}], tokenize=False, add_generation_prompt=True
+    )
     head, tail = (tok.encode(part, add_special_tokens=False) for part in text.split("\x00"))
     return [head + [rng.choice(plain) for _ in range(words)] + tail for _ in range(n)]
 
 
 @torch.no_grad()
 def greedy_rows(
-    target_path: str | Path, run_id: str, n: int, new_tokens: int = 48, seed: int = 0, words: int = 12, pool: int = 64
+    target_path: str | Path,
+    run_id: str,
+    n: int,
+    new_tokens: int = 48,
+    seed: int = 0,
+    words: int = 12,
+    pool: int = 64,
 ) -> list[dict]:
     """n rows answered by the target's greedy decoding (one batch: the prompts share a length)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -148,7 +148,9 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         # target id -> draft id (or -1); derived from t2d, so not saved
-        self.register_buffer("t2d_index", torch.full((c.vocab_size,), -1, dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "t2d_index", torch.full((c.vocab_size,), -1, dtype=torch.int64), persistent=False
+        )
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t.to(self.d2t.device))

@@ -56,7 +56,9 @@ def train_from_run(
 
 
 class _Run:
-    def __init__(self, settings, run_id, target_path, out_dir, cfg, ctx: DistContext, follow, group, consumer):
+    def __init__(
+        self, settings, run_id, target_path, out_dir, cfg, ctx: DistContext, follow, group, consumer
+    ):
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
@@ -64,8 +66,13 @@ class _Run:
         self.target_path = target_path
         self._renderer = None
         ckpt = load_latest(self.out)
-        if ckpt and (ckpt["aux_layer_ids"] != self.target.aux_layer_ids or ckpt["target_num_layers"] != self.target.num_layers):
-            raise ConfigError(f"{self.out}: checkpoint was trained on other target layers ({ckpt['aux_layer_ids']})")
+        if ckpt and (
+            ckpt["aux_layer_ids"] != self.target.aux_layer_ids
+            or ckpt["target_num_layers"] != self.target.num_layers
+        ):
+            raise ConfigError(
+                f"{self.out}: checkpoint was trained on other target layers ({ckpt['aux_layer_ids']})"
+            )
         self.consumed: list[tuple[str, int]] = [tuple(k) for k in ckpt["consumed_shards"]] if ckpt else []
         self.in_progress: dict | None = ckpt["in_progress"] if ckpt else None
         self.vocab_stats: dict | None = ckpt.get("vocab_stats") if ckpt else None
@@ -78,10 +85,14 @@ class _Run:
             if total is None:
                 rec = ledger.run_record(run_id)
                 if rec is None:
-                    raise ConfigError(f"run {run_id} is unknown to the ledger; set total_steps in the train config")
+                    raise ConfigError(
+                        f"run {run_id} is unknown to the ledger; set total_steps in the train config"
+                    )
                 total = math.ceil(int(rec["num_prompts"]) * cfg.epochs / (cfg.batch_size * ctx.world))
         total = broadcast_object(max(1, int(total or 1)), ctx)
-        self.trainer = DraftTrainer(cfg, draft_config_for(self.target.text_config, cfg), self.target.embed_weight, ctx, total)
+        self.trainer = DraftTrainer(
+            cfg, draft_config_for(self.target.text_config, cfg), self.target.embed_weight, ctx, total
+        )
         if ckpt:
             self.trainer.load_state(ckpt)
         self._last_saved_step = self.trainer.step if ckpt else -1
@@ -97,7 +108,9 @@ class _Run:
         return self._renderer
 
     def _examples(self, ref: ShardRef) -> list[D.Example]:
-        examples, stats = D.table_examples(self.storage.read_table(ref.path), self._renderer_factory, self.cfg.max_length)
+        examples, stats = D.table_examples(
+            self.storage.read_table(ref.path), self._renderer_factory, self.cfg.max_length
+        )
         if self.ctx.is_main:
             log.info("shard %s/%d: %s", ref.run_id, ref.shard_id, stats)
         return examples
@@ -133,16 +146,19 @@ class _Run:
                 if self.feed.still_ours(ref):
                     self.consumed.append(ref.key)
                 else:
-                    log.warning("shard %s was taken over by another trainer; not recorded as consumed", ref.key)
+                    log.warning(
+                        "shard %s was taken over by another trainer; not recorded as consumed", ref.key
+                    )
                 if len(self.consumed) % self.cfg.checkpoint_every_shards == 0:
                     self._checkpoint(None)
         if self.ctx.is_main and self.trainer.step != self._last_saved_step:
             self._checkpoint(None)
+        consumed = broadcast_object(len(self.consumed), self.ctx)  # rank 0 alone keeps the list
         latest = self.out / "checkpoints" / "latest"
         return self._close(
             {
                 "steps": self.trainer.step,
-                "consumed": len(self.consumed),
+                "consumed": consumed,
                 "checkpoint": latest.read_text().strip() if latest.exists() else None,
                 "vocab": self.vocab_stats,
             }
@@ -155,7 +171,9 @@ class _Run:
 
     def _build_vocab(self, first: list[ShardRef], cache: dict):
         counter = VocabCounter(self.target.vocab_size)
-        while len(first) < self.cfg.vocab_shards and not (self.cfg.vocab_tokens and counter.tokens >= self.cfg.vocab_tokens):
+        while len(first) < self.cfg.vocab_shards and not (
+            self.cfg.vocab_tokens and counter.tokens >= self.cfg.vocab_tokens
+        ):
             ref = self._next_local()
             if ref is None:
                 break
@@ -178,7 +196,9 @@ class _Run:
     def _train_shard(self, ref: ShardRef, examples: list[D.Example]) -> None:
         cfg, ctx, tr = self.cfg, self.ctx, self.trainer
         ip = self.in_progress
-        epoch0, batch0 = (ip["epoch"], ip["next_batch"]) if ip and (ip["run_id"], ip["shard_id"]) == ref.key else (0, 0)
+        epoch0, batch0 = (
+            (ip["epoch"], ip["next_batch"]) if ip and (ip["run_id"], ip["shard_id"]) == ref.key else (0, 0)
+        )
         self.in_progress = None
         for epoch in range(epoch0, cfg.epochs):
             exs = D.shuffled(examples, cfg.seed, ref.shard_id, epoch)
@@ -191,8 +211,18 @@ class _Run:
                 if tr.step % cfg.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)
                 mid_shard = b + 1 < n or epoch + 1 < cfg.epochs
-                if ctx.is_main and cfg.checkpoint_every_steps and tr.step % cfg.checkpoint_every_steps == 0 and mid_shard:
-                    pos = {"run_id": ref.run_id, "shard_id": ref.shard_id, "epoch": epoch, "next_batch": b + 1}
+                if (
+                    ctx.is_main
+                    and cfg.checkpoint_every_steps
+                    and tr.step % cfg.checkpoint_every_steps == 0
+                    and mid_shard
+                ):
+                    pos = {
+                        "run_id": ref.run_id,
+                        "shard_id": ref.shard_id,
+                        "epoch": epoch,
+                        "next_batch": b + 1,
+                    }
                     if b + 1 >= n:
                         pos.update(epoch=epoch + 1, next_batch=0)
                     self._checkpoint(pos)
@@ -201,7 +231,9 @@ class _Run:
         if not self.ctx.is_main:
             return
         rec.update(shard=ref.shard_id, epoch=epoch, world=self.ctx.world)
-        log.info("step %d loss %.4f acc0 %.3f lr %.2e", rec["step"], rec["loss"], rec.get("acc_0", 0.0), rec["lr"])
+        log.info(
+            "step %d loss %.4f acc0 %.3f lr %.2e", rec["step"], rec["loss"], rec.get("acc_0", 0.0), rec["lr"]
+        )
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")

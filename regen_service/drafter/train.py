@@ -62,14 +62,20 @@ class DraftTrainer:
             self.draft.embed_tokens.weight.copy_(embed_weight.to(ctx.device, torch.float32))
         self.ttt = TTTModule(self.draft, cfg.ttt_length, cfg.ttt_decay)
         self.module = (
-            DistributedDataParallel(self.ttt, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
+            DistributedDataParallel(
+                self.ttt,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )
             if ctx.distributed
             else self.ttt
         )
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         warmup = max(1, int(total_steps * cfg.warmup_ratio))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, WarmupCosine(total_steps, warmup, cfg.min_lr_ratio))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, WarmupCosine(total_steps, warmup, cfg.min_lr_ratio)
+        )
         self.step = 0
         self.autocast = ctx.device.type == "cuda" and cfg.bf16
         self._t0, self._tokens = time.perf_counter(), 0
@@ -77,7 +83,9 @@ class DraftTrainer:
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.draft.set_vocab(d2t, t2d)
 
-    def train_batch(self, aux, input_ids, target_ids, loss_mask, weight: float = 1.0) -> dict[str, torch.Tensor]:
+    def train_batch(
+        self, aux, input_ids, target_ids, loss_mask, weight: float = 1.0
+    ) -> dict[str, torch.Tensor]:
         """One optimizer step. weight 0 keeps a rank with no data in lockstep without learning from it."""
         self.module.train()
         dev = self.ctx.device
@@ -99,7 +107,11 @@ class DraftTrainer:
         vec = all_reduce_mean(torch.stack([metrics[k].float().to(self.ctx.device) for k in keys]), self.ctx)
         now = time.perf_counter()
         rec = {k: round(float(v), 5) for k, v in zip(keys, vec.tolist(), strict=True)}
-        rec.update(step=self.step, lr=self.sched.get_last_lr()[0], tok_s_rank=round(self._tokens / max(1e-9, now - self._t0), 1))
+        rec.update(
+            step=self.step,
+            lr=self.sched.get_last_lr()[0],
+            tok_s_rank=round(self._tokens / max(1e-9, now - self._t0), 1),
+        )
         self._t0, self._tokens = now, 0
         return rec
 
@@ -115,7 +127,9 @@ class DraftTrainer:
     def load_state(self, ckpt: dict) -> None:
         missing, unexpected = self.draft.load_state_dict(ckpt["draft_state_dict"], strict=False)
         if unexpected or set(missing) - {"embed_tokens.weight"}:
-            raise ValueError(f"checkpoint does not match the draft: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"checkpoint does not match the draft: missing {missing}, unexpected {unexpected}"
+            )
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
         self.step = int(ckpt["step"])

@@ -25,7 +25,9 @@ class VocabCounter:
         sel = ids[loss_mask.bool()].long()
         if sel.numel():
             if int(sel.max()) >= self.counts.numel():
-                raise ConfigError(f"token id {int(sel.max())} is outside the target vocab ({self.counts.numel()})")
+                raise ConfigError(
+                    f"token id {int(sel.max())} is outside the target vocab ({self.counts.numel()})"
+                )
             self.counts += torch.bincount(sel, minlength=self.counts.numel())
             self.tokens += sel.numel()
 
@@ -34,7 +36,9 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tens
     """-> (d2t int64 [draft_vocab_size], t2d bool [vocab_size])."""
     vocab_size = counts.numel()
     if not 0 < draft_vocab_size <= vocab_size:
-        raise ConfigError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab_size} (the target vocab)")
+        raise ConfigError(
+            f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab_size} (the target vocab)"
+        )
     ids = torch.arange(vocab_size)
     # stable sort on -count keeps lower ids first among equal counts
     order = ids[torch.sort(-counts, stable=True).indices]

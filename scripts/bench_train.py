@@ -1,0 +1,183 @@
+"""GPU benchmark of EAGLE-3 draft training; prints one JSON object per measurement.
+
+Modes:
+  draft   Llama-3.1-8B draft shapes (H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab 32000),
+          sequence 2048, TTT 7, fed synthetic target states: tokens/s, model FLOPs utilization, peak memory.
+  online  a random-weight ~1B Llama target (H 2048, 16 layers, vocab 128256) run online each step, with
+          its draft: step time, the target's share of it.
+  ddp     a learnable synthetic task (tokens walk a fixed permutation) for N steps, one process or under
+          torchrun; each rank prints its losses; rank 0 alone writes the checkpoint.
+Imports only torch/transformers and the drafter's torch-only modules (no pydantic, no Redis), so it
+runs on a bare GPU host: PYTHONPATH=. python3 scripts/bench_train.py --mode draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import torch
+
+from regen_service.drafter.checkpoint import save_checkpoint
+from regen_service.drafter.dist import init_distributed, shutdown
+from regen_service.drafter.model import DraftConfig
+from regen_service.drafter.train import DraftTrainer
+
+PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
+
+
+def train_cfg(ttt: int, lr: float = 1e-4) -> SimpleNamespace:
+    return SimpleNamespace(
+        seed=0, ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, warmup_ratio=0.015,
+        min_lr_ratio=0.1, grad_clip=0.5, bf16=True,
+    )  # fmt: skip
+
+
+def draft_shapes(h, heads, kv, inter, vocab, dvocab) -> DraftConfig:
+    return DraftConfig(h, inter, heads, kv, h // heads, 1e-5, 500000.0, 131072, vocab, dvocab, h)
+
+
+def model_flops(c: DraftConfig, t: int, ttt: int) -> float:
+    """Training FLOPs per sequence (fwd + bwd = 3x fwd); attention scores counted causal (T^2/2)."""
+    h, i, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    fwd = 2 * t * 3 * c.target_hidden_size * h  # fc
+    for step in range(ttt):
+        proj = 2 * t * 2 * h * (nh + 2 * nkv) * hd + 2 * t * nh * hd * h
+        attn = 2 * 2 * nh * hd * (t * t / 2 + t * step)  # QK^T and PV over prefix + own earlier steps
+        mlp = 3 * 2 * t * h * i
+        head = 2 * t * h * c.draft_vocab_size
+        fwd += proj + attn + mlp + head
+    return 3 * fwd
+
+
+def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000):
+    emb = torch.randn(c.vocab_size, c.hidden_size) * 0.02
+    tr = DraftTrainer(train_cfg(ttt, lr), c, emb, ctx, steps)
+    d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)  # draft ids = the first N target ids
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[: c.draft_vocab_size] = True
+    tr.set_vocab(d2t, t2d)
+    return tr
+
+
+def timed(fn, n: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def bench_draft(a) -> dict:
+    ctx = init_distributed("cuda")
+    c = draft_shapes(4096, 32, 8, 14336, 128256, 32000)
+    tr = make_trainer(c, a.ttt, ctx)
+    b, t = a.batch, a.seq
+    aux = torch.randn(b, t, 3 * 4096, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 32000, (b, t), device="cuda")
+    mask = torch.ones_like(ids)
+    step = lambda: tr.train_batch(aux, ids, ids, mask)  # noqa: E731
+    timed(step, 2)
+    torch.cuda.reset_peak_memory_stats()
+    dt = timed(step, a.steps)
+    fl = model_flops(c, t, a.ttt) * b
+    return {
+        "mode": "draft", "shapes": "llama-3.1-8b", "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(dt, 4),
+        "tokens_per_s": round(b * t / dt), "model_tflop_per_step": round(fl / 1e12, 2),
+        "mfu_vs_989": round(fl / dt / PEAK_BF16, 4), "mfu_vs_790_measured": round(fl / dt / 790e12, 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "draft_params_m": round(sum(p.numel() for p in tr.draft.parameters() if p.requires_grad) / 1e6, 1),
+    }  # fmt: skip
+
+
+def bench_online(a) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from regen_service.drafter.target import HFTarget
+
+    ctx = init_distributed("cuda")
+    tc = LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(tc).to(torch.bfloat16)
+    target = HFTarget("<random>", "cuda", model=model)
+    nparams = sum(p.numel() for p in model.parameters())
+    c = draft_shapes(2048, 32, 8, 8192, 128256, 32000)
+    tr = make_trainer(c, a.ttt, ctx)
+    b, t = a.batch, a.seq
+    ids = torch.randint(0, 32000, (b, t), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def step():
+        aux, tgt = target(ids)
+        tr.train_batch(aux, ids, tgt, mask)
+
+    timed(step, 2)
+    torch.cuda.reset_peak_memory_stats()
+    total = timed(step, a.steps)
+    tgt_s = timed(lambda: target(ids), a.steps)
+    return {
+        "mode": "online", "target_params_b": round(nparams / 1e9, 3), "aux_layer_ids": target.aux_layer_ids,
+        "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(total, 4), "target_fwd_s": round(tgt_s, 4),
+        "target_share": round(tgt_s / total, 3), "tokens_per_s": round(b * t / total),
+        "draft_mfu_vs_989": round(model_flops(c, t, a.ttt) * b / (total - tgt_s) / PEAK_BF16, 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }  # fmt: skip
+
+
+def bench_ddp(a) -> dict:
+    ctx = init_distributed(None)
+    c = draft_shapes(1024, 16, 4, 4096, 32000, 4096)
+    tr = make_trainer(c, a.ttt, ctx, lr=1e-3, steps=a.steps)
+    perm = torch.randperm(4096, generator=torch.Generator().manual_seed(0))
+    emb = torch.randn(4096, 3 * 1024, generator=torch.Generator().manual_seed(1)).to(
+        ctx.device, torch.bfloat16
+    )
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own data
+    losses, t0 = [], time.perf_counter()
+    for _ in range(a.steps):
+        x = torch.empty(a.batch, a.seq, dtype=torch.int64)
+        x[:, 0] = torch.randint(0, 4096, (a.batch,), generator=gen)
+        for j in range(1, a.seq):
+            x[:, j] = perm[x[:, j - 1]]
+        x = x.to(ctx.device)
+        m = tr.train_batch(emb[x], x, perm.to(ctx.device)[x], torch.ones_like(x))
+        losses.append(round(float(m["loss_0"]), 4))
+    elapsed = time.perf_counter() - t0
+    if ctx.is_main:
+        state = tr.state() | {
+            "aux_layer_ids": [2, 8, 13], "target_num_layers": 16, "train_config": vars(train_cfg(a.ttt)),
+            "consumed_shards": [], "in_progress": None,
+        }  # fmt: skip
+        save_checkpoint(a.out, state)
+    shutdown(ctx)
+    return {
+        "mode": "ddp", "rank": ctx.rank, "world": ctx.world, "steps": a.steps, "s": round(elapsed, 2),
+        "loss0_every_10": [*losses[::10], losses[-1]], "wrote_checkpoint": ctx.is_main,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=("draft", "online", "ddp"), default="draft")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+    a = p.parse_args()
+    res = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp}[a.mode](a)
+    if torch.cuda.is_available():
+        res["gpu"] = torch.cuda.get_device_name()
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
