@@ -30,6 +30,13 @@ from regen_service.cli.base import main
     help="Local Hugging Face tokenizer dir (never downloaded). Default: built-in synthetic word vocabulary.",
 )
 @click.option(
+    "--hf-model",
+    "hf_model_path",
+    default=None,
+    help="Local causal LM dir: answer with its greedy decoding instead of filler (slow; CPU dry runs). "
+    "Needs --tokenizer of the same model.",
+)
+@click.option(
     "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on all but /health* and /metrics."
 )
 @click.option(

@@ -8,6 +8,10 @@ Classification is by status code and by the shape of the payload, never by messa
 An error object inside a 200 body or stream event follows its `code` / `status_code` the same way;
 one with no code at all is `UncodedStreamError` (retryable; the pool re-sends it without streaming so
 that SGLang reports the failure with a real status code; see pool.py). Parsing streams is streams.py's job.
+
+Transport: one aiohttp `ClientSession` per endpoint and purpose (`make_session`), HTTP/1.1 keep-alive,
+its connector sized to the in-flight limit so every outstanding request has its own socket and no
+request waits for a connection.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from regen_service.errors import EndpointTerminalError, RetryableError, RowTerminalError
 from schemas.conversation import ToolCall
@@ -83,10 +87,10 @@ def error_detail(body: bytes | str) -> str:
     return text.strip()[:500]
 
 
-def raise_for_status(resp: httpx.Response, body: bytes, endpoint: str) -> None:
-    if 200 <= resp.status_code < 300:
+def raise_for_status(status: int, body: bytes, endpoint: str) -> None:
+    if 200 <= status < 300:
         return
-    raise status_error(resp.status_code, error_detail(body), endpoint)
+    raise status_error(status, error_detail(body), endpoint)
 
 
 def error_code(err: dict) -> int | None:
@@ -134,12 +138,25 @@ def finish_type(finish_reason: object) -> str | None:
     return str(finish_reason)
 
 
-def make_client(base_url: str, headers: dict, *, connections: int, connect_s: float, read_s: float | None):
-    """An HTTP/1.1 keep-alive client whose pool holds `connections` sockets (the in-flight limit)."""
-    return httpx.AsyncClient(
-        base_url=base_url,
-        headers=headers,
-        timeout=httpx.Timeout(connect=connect_s, read=read_s, write=connect_s, pool=None),
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-        http2=False,
+# Idle keep-alive sockets are closed after this long (an idle endpoint holds no sockets forever).
+KEEPALIVE_S = 60.0
+
+
+def dump_body(body: dict) -> bytes:
+    """A request body as compact UTF-8 JSON (what httpx's `json=` sent; NaN is refused)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def make_session(
+    headers: dict, *, connections: int, connect_s: float, read_s: float | None
+) -> aiohttp.ClientSession:
+    """An HTTP/1.1 keep-alive session whose connector holds at most `connections` sockets (the in-flight
+    limit). `connect_s` bounds opening a socket, `read_s` the silence between two reads of a response
+    (None: no limit); waiting for a free socket is not bounded (the pool never lets that happen)."""
+    connector = aiohttp.TCPConnector(
+        limit=connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=300
+    )
+    timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_s, sock_read=read_s)
+    return aiohttp.ClientSession(
+        headers=headers, connector=connector, timeout=timeout, raise_for_status=False, trust_env=False
     )

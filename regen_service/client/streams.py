@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from regen_service.client.http import (
     Completion,
@@ -25,39 +25,119 @@ from regen_service.client.http import (
 from schemas.conversation import ToolCall
 
 
-async def sse_events(lines: AsyncIterator[str], stall_timeout_s: float, endpoint: str) -> AsyncIterator[dict]:
-    """JSON payloads of `data:` events until [DONE]; a stream that ends without [DONE] is retryable."""
-    it = lines.__aiter__()
-    data: list[str] = []
-    while True:
-        try:
-            # The idle timer: httpx's read timeout resets on any byte, this one on any line.
-            line = await asyncio.wait_for(it.__anext__(), stall_timeout_s)
-        except StopAsyncIteration:
-            raise RetryableError(f"{endpoint} closed the stream before [DONE]", endpoint=endpoint) from None
-        except asyncio.TimeoutError:
-            raise StallError(
-                f"{endpoint} sent nothing for {stall_timeout_s:g}s (stalled stream)", endpoint=endpoint
-            ) from None
-        if line.startswith(":"):
-            continue
+_DONE = object()
+
+
+class _SSEParser:
+    """Lines in, JSON payloads out: `data:` fields joined, an event per blank line, [DONE] the end."""
+
+    __slots__ = ("data", "endpoint")
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.data: list[str] = []
+
+    def line(self, line: str) -> object:
+        """The event this line completes (a dict, or _DONE), else None."""
         if line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-            continue
-        if line.strip() or not data:
-            continue  # other fields (event:, id:) and keep-alive blank lines
-        payload = "\n".join(data)
-        data = []
+            self.data.append(line[5:].lstrip(" "))
+            return None
+        if line.startswith(":") or line.strip() or not self.data:
+            return None  # comments, other fields (event:, id:) and keep-alive blank lines
+        payload = "\n".join(self.data) if len(self.data) > 1 else self.data[0]
+        self.data = []
         if payload.strip() == "[DONE]":
-            return
+            return _DONE
         try:
             obj = json.loads(payload)
         except ValueError:
             raise RetryableError(
-                f"{endpoint} sent a malformed event: {payload[:200]!r}", endpoint=endpoint
+                f"{self.endpoint} sent a malformed event: {payload[:200]!r}", endpoint=self.endpoint
             ) from None
-        if isinstance(obj, dict):
-            yield obj
+        return obj if isinstance(obj, dict) else None
+
+
+def _closed_early(endpoint: str) -> RetryableError:
+    return RetryableError(f"{endpoint} closed the stream before [DONE]", endpoint=endpoint)
+
+
+def _stalled(endpoint: str, stall_timeout_s: float) -> StallError:
+    return StallError(f"{endpoint} sent nothing for {stall_timeout_s:g}s (stalled stream)", endpoint=endpoint)
+
+
+async def sse_events(lines: AsyncIterator[str], stall_timeout_s: float, endpoint: str) -> AsyncIterator[dict]:
+    """JSON payloads of `data:` events until [DONE]; a stream that ends without [DONE] is retryable."""
+    it = lines.__aiter__()
+    parser = _SSEParser(endpoint)
+    while True:
+        try:
+            line = await asyncio.wait_for(it.__anext__(), stall_timeout_s)
+        except StopAsyncIteration:
+            raise _closed_early(endpoint) from None
+        except asyncio.TimeoutError:
+            raise _stalled(endpoint, stall_timeout_s) from None
+        event = parser.line(line)
+        if event is _DONE:
+            return
+        if event is not None:
+            yield event
+
+
+if hasattr(asyncio, "timeout"):  # Python >= 3.11: a timer handle, no extra task per read
+
+    async def _read_chunk(reader, left: float) -> bytes:
+        async with asyncio.timeout(left):
+            return await reader.readany()
+
+else:  # pragma: no cover - Python 3.10
+
+    async def _read_chunk(reader, left: float) -> bytes:
+        return await asyncio.wait_for(reader.readany(), left)
+
+
+async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable[[dict], None]) -> None:
+    """Feed every event of an SSE body (an aiohttp StreamReader) to `feed` until [DONE], then read the
+    body to its end so that the keep-alive connection goes back to the pool instead of being closed.
+
+    The stall timer is an idle timer on lines: StallError when no complete line arrives for
+    stall_timeout_s. A body that ends before [DONE] is retryable. Lines end with LF or CRLF."""
+    loop = asyncio.get_running_loop()
+    parser = _SSEParser(endpoint)
+    deadline = loop.time() + stall_timeout_s
+    tail = b""
+    while True:
+        try:
+            chunk = await _read_chunk(reader, deadline - loop.time())
+        except (asyncio.TimeoutError, TimeoutError):
+            raise _stalled(endpoint, stall_timeout_s) from None
+        if not chunk:  # end of body
+            if tail:  # a last line without its newline
+                parser.line(tail.decode("utf-8", "replace").rstrip("\r"))
+            raise _closed_early(endpoint)
+        parts = (tail + chunk).split(b"\n") if tail else chunk.split(b"\n")
+        tail = parts.pop()
+        if not parts:
+            continue
+        deadline = loop.time() + stall_timeout_s
+        for raw in parts:
+            event = parser.line(raw.decode("utf-8", "replace").rstrip("\r"))
+            if event is None:
+                continue
+            if event is _DONE:
+                await _drain(reader, loop)
+                return
+            feed(event)
+
+
+async def _drain(reader, loop, limit_s: float = 1.0) -> None:
+    """Read what follows [DONE] (the chunked terminator) for up to limit_s; a server that keeps the
+    body open longer just costs its connection (closed on release instead of reused)."""
+    deadline = loop.time() + limit_s
+    try:
+        while await _read_chunk(reader, deadline - loop.time()):
+            pass
+    except (asyncio.TimeoutError, TimeoutError):
+        pass
 
 
 class _Timer:

@@ -13,7 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Changing these needs a restart: they fix the socket, the answers, or the token ids.
 FIXED_AT_START = frozenset(
-    {"host", "port", "seed", "model", "tokenizer_path", "incremental_streaming_output", "api_key"}
+    {
+        "host",
+        "port",
+        "seed",
+        "model",
+        "tokenizer_path",
+        "hf_model_path",
+        "incremental_streaming_output",
+        "api_key",
+    }
 )
 
 # The SGLang release whose HTTP surface the simulator follows (reported as `version`).
@@ -28,6 +37,7 @@ class SimConfig(BaseModel):
     seed: int = 0
     model: str = "moonshotai/Kimi-K2.5"
     tokenizer_path: str | None = None
+    hf_model_path: str | None = None  # answer with this local causal LM's greedy decoding (hf_backend.py)
     api_key: str | None = None
 
     # SGLang server flags the simulator honours.

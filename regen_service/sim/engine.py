@@ -59,6 +59,11 @@ class Engine:
         self.stats = Stats()
         self.scheduler = Scheduler(lambda: self.cfg, self.stats)
         self._faults = FaultDecider(cfg.seed)
+        self.hf = None
+        if cfg.hf_model_path:
+            from regen_service.sim.hf_backend import HFAnswerer
+
+            self.hf = HFAnswerer(cfg.hf_model_path, cfg.answer_len_max)
 
     def natural_finish(self, prep: Prepared) -> dict:
         if prep.cut:
@@ -91,8 +96,12 @@ class Engine:
             raise BadRequest("Either text or input_ids should be provided.")
         room = self.cfg.context_length - prompt_tokens
         tools, last_user = tools_in_prompt(prompt_text) if "tool_declare" in prompt_text else (None, False)
+        max_new = _max_new(max_new_tokens, 128, room)
+        if self.hf is not None:
+            ids = input_ids if input_ids is not None else self.tok.encode(text)
+            return self._prepared(rid, prompt_tokens, self.hf.answer(ids, max_new), max_new, t0)
         answer = build_answer(key, self.cfg, self.tok, think_mode(prompt_text), tools, last_user)
-        return self._prepared(rid, prompt_tokens, answer, _max_new(max_new_tokens, 128, room), t0)
+        return self._prepared(rid, prompt_tokens, answer, max_new, t0)
 
     def prepare_chat(self, messages, tools, template_kwargs, max_tokens, rid) -> Prepared:
         t0 = time.monotonic()
@@ -109,8 +118,13 @@ class Engine:
         room = self._check_context(prompt_tokens)
         key = answer_key(self.cfg.seed, "chat", {"messages": messages, "tools": tools or None})
         eligible = bool(tools) and messages[-1].get("role") == "user"
+        max_new = _max_new(max_tokens, room, room)
+        if self.hf is not None:
+            return self._prepared(
+                rid, prompt_tokens, self.hf.answer(self.tok.encode(prompt_text), max_new), max_new, t0
+            )
         answer = build_answer(key, self.cfg, self.tok, think_mode(prompt_text), tools, eligible)
-        return self._prepared(rid, prompt_tokens, answer, _max_new(max_tokens, room, room), t0)
+        return self._prepared(rid, prompt_tokens, answer, max_new, t0)
 
     def _prepared(self, rid, prompt_tokens: int, answer: Answer, max_new: int, t0: float) -> Prepared:
         rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
