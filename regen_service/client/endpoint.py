@@ -11,12 +11,15 @@ takes traffic again. Routing and retries across endpoints are pool.py's job.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-import httpx
+import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from regen_service.client import metrics
 from regen_service.client.auth import auth_headers, scrub
@@ -25,7 +28,8 @@ from regen_service.client.http import (
     Completion,
     ConnectionRefusedRetryable,
     RetryableError,
-    make_client,
+    dump_body,
+    make_session,
     raise_for_status,
 )
 from regen_service.client.streams import (
@@ -33,7 +37,7 @@ from regen_service.client.streams import (
     GenerateStream,
     chat_message_completion,
     generate_completion_from_body,
-    sse_events,
+    read_sse,
 )
 from regen_service.errors import EndpointTerminalError, RowTerminalError
 from regen_service.settings import redact_url
@@ -61,6 +65,8 @@ class Endpoint:
         self._on_change = on_change
         self._headers = {"Content-Type": "application/json", **auth_headers(config.api_key)}
         self.limit = config.max_inflight_per_endpoint or config.default_inflight_per_endpoint
+        self._generate_url = f"{url}/generate"
+        self._chat_url = f"{url}/v1/chat/completions"
         self.context_length: int | None = None
         self.max_input_len: int | None = None
         self.server_info: dict = {}
@@ -70,9 +76,20 @@ class Endpoint:
         self.stopped_reason: str | None = None
         self.consecutive_failures = 0
         self.errors: Counter[str] = Counter()
-        self._control: httpx.AsyncClient | None = None
-        self._data: httpx.AsyncClient | None = None
+        self._control: aiohttp.ClientSession | None = None
+        self._data: aiohttp.ClientSession | None = None
         self._probe: asyncio.Task | None = None
+        # Proxy settings from the environment (HTTP_PROXY, NO_PROXY...), read once as httpx did.
+        try:
+            self._proxy, self._proxy_auth = get_env_proxy_for_url(URL(url))
+        except LookupError:
+            self._proxy, self._proxy_auth = None, None
+        # Prometheus children, looked up once instead of per request.
+        self._m_inflight = metrics.INFLIGHT.labels(self.label)
+        self._m_answered = metrics.PROMPTS_ANSWERED.labels(self.label)
+        self._m_out_tokens = metrics.OUTPUT_TOKENS.labels(self.label)
+        self._m_prompt_tokens = metrics.PROMPT_TOKENS.labels(self.label)
+        self._m_ttft = metrics.TTFT.labels(self.label)
 
     # --- state -------------------------------------------------------------------------------
     @property
@@ -115,20 +132,16 @@ class Endpoint:
     async def open(self) -> None:
         c = self.config
         # A small separate pool for health probes: they must not queue behind saturated data traffic.
-        self._control = make_client(
-            self.url, self._headers, connections=2, connect_s=c.connect_timeout_s, read_s=c.control_timeout_s
+        self._control = make_session(
+            self._headers, connections=2, connect_s=c.connect_timeout_s, read_s=c.control_timeout_s
         )
         self._data = self._data_client()
 
-    def _data_client(self) -> httpx.AsyncClient:
+    def _data_client(self) -> aiohttp.ClientSession:
         # Sized to the in-flight limit (+2 spare), HTTP/1.1 keep-alive: one socket per outstanding request.
         c = self.config
-        return make_client(
-            self.url,
-            self._headers,
-            connections=self.limit + 2,
-            connect_s=c.connect_timeout_s,
-            read_s=c.read_timeout_s,
+        return make_session(
+            self._headers, connections=self.limit + 2, connect_s=c.connect_timeout_s, read_s=c.read_timeout_s
         )
 
     async def close(self) -> None:
@@ -137,22 +150,29 @@ class Endpoint:
             await asyncio.gather(self._probe, return_exceptions=True)
         for client in (self._control, self._data):
             if client is not None:
-                await client.aclose()
+                await client.close()
 
-    async def _get(self, path: str) -> httpx.Response | None:
-        """GET a control path; None when it does not exist (404), errors classified otherwise."""
+    async def _get(self, path: str) -> dict | None:
+        """GET a control path: its JSON body; None when it does not exist (404); errors classified."""
         try:
-            resp = await self._control.get(path)
-        except httpx.ConnectError as e:
+            async with self._control.get(
+                self.url + path, proxy=self._proxy, proxy_auth=self._proxy_auth
+            ) as resp:
+                status, body = resp.status, await resp.read()
+        except aiohttp.ClientConnectorError as e:
             raise ConnectionRefusedRetryable(
-                f"{self.label}{path}: cannot connect ({e})", endpoint=self.label
+                f"{self.label}{path}: cannot connect ({scrub(str(e), self.config.api_key)})",
+                endpoint=self.label,
             ) from None
-        except httpx.HTTPError as e:
-            raise RetryableError(f"{self.label}{path}: {type(e).__name__} {e}", endpoint=self.label) from None
-        if resp.status_code == 404:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise RetryableError(
+                f"{self.label}{path}: {type(e).__name__} {scrub(str(e), self.config.api_key)}".strip(),
+                endpoint=self.label,
+            ) from None
+        if status == 404:
             return None
-        raise_for_status(resp, resp.content, f"{self.label}{path}")
-        return resp
+        raise_for_status(status, body, f"{self.label}{path}")
+        return _json_body(body)
 
     async def check(self, target_model: str) -> None:
         """Health, served model and limits. Raises EndpointTerminalError (and stops) on a wrong model or key."""
@@ -174,14 +194,13 @@ class Endpoint:
     async def _served_models(self) -> set[str]:
         served: set[str] = set()
         for path in ("/get_model_info", "/model_info"):
-            resp = await self._get(path)
-            if resp is not None:
-                info = resp.json()
+            info = await self._get(path)
+            if info is not None:
                 served.add(info.get("served_model_name") or info.get("model_path") or "")
                 break
-        resp = await self._get("/v1/models")
-        if resp is not None:
-            for m in resp.json().get("data") or []:
+        models = await self._get("/v1/models")
+        if models is not None:
+            for m in models.get("data") or []:
                 served.add(m.get("id") or "")
                 self.context_length = self.context_length or m.get("max_model_len")
         return {s for s in served if s}
@@ -189,9 +208,9 @@ class Endpoint:
     async def _read_limits(self) -> None:
         info: dict = {}
         for path in ("/get_server_info", "/server_info"):
-            resp = await self._get(path)
-            if resp is not None:
-                info = resp.json()
+            got = await self._get(path)
+            if got is not None:
+                info = got
                 break
         self.server_info = info
         self.context_length = info.get("context_length") or self.context_length
@@ -206,7 +225,7 @@ class Endpoint:
                 self.limit = max(1, limit)
                 old, self._data = self._data, self._data_client()
                 if old is not None:
-                    await old.aclose()
+                    await old.close()
 
     # --- breaker -----------------------------------------------------------------------------
     def record_success(self) -> None:
@@ -262,25 +281,33 @@ class Endpoint:
     ) -> Completion:
         if prompt_len is not None:
             self._check_length(prompt_len)
-        path = "/generate" if api == "generate" else "/v1/chat/completions"
+        url = self._generate_url if api == "generate" else self._chat_url
         body = {**payload, "stream": stream}
         if stream and api == "chat":
             body["stream_options"] = {"include_usage": True}
+        coro = self._stream(url, api, body) if stream else self._once(url, api, body)
         try:
-            coro = self._stream(path, api, body) if stream else self._once(path, api, body)
-            return await asyncio.wait_for(coro, self.config.request_timeout_s)
+            timeout = self.config.request_timeout_s
+            return await (coro if timeout is None else asyncio.wait_for(coro, timeout))
+        except aiohttp.ClientConnectorError as e:
+            raise ConnectionRefusedRetryable(
+                f"{self.label}: cannot connect ({self._scrub(e)})", endpoint=self.label
+            ) from None
+        except aiohttp.ClientError as e:  # read timeouts, resets, disconnects mid-body
+            raise RetryableError(
+                f"{self.label}: {type(e).__name__} {self._scrub(e)}".strip(), endpoint=self.label
+            ) from None
         except asyncio.TimeoutError:
             raise RetryableError(
                 f"{self.label} took longer than request_timeout_s", endpoint=self.label
             ) from None
-        except httpx.ConnectError as e:
-            raise ConnectionRefusedRetryable(
-                f"{self.label}: cannot connect ({e})", endpoint=self.label
-            ) from None
-        except httpx.HTTPError as e:  # timeouts, resets, disconnects mid-stream
+        except OSError as e:  # a socket error aiohttp did not wrap
             raise RetryableError(
-                f"{self.label}: {type(e).__name__} {e}".strip(), endpoint=self.label
+                f"{self.label}: {type(e).__name__} {self._scrub(e)}".strip(), endpoint=self.label
             ) from None
+
+    def _scrub(self, e: BaseException) -> str:
+        return scrub(str(e), self.config.api_key)
 
     def _check_length(self, n: int) -> None:
         # SGLang rejects input_len >= context_length (and > max_req_input_len): do it without a request.
@@ -292,11 +319,14 @@ class Endpoint:
                 status_code=400,
             )
 
-    async def _once(self, path: str, api: str, body: dict) -> Completion:
+    async def _once(self, url: str, api: str, body: dict) -> Completion:
         t0 = time.monotonic()
-        resp = await self._data.post(path, json=body)
-        raise_for_status(resp, resp.content, self.label)
-        data = resp.json()
+        async with self._data.post(
+            url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
+        ) as resp:
+            status, raw = resp.status, await resp.read()
+        raise_for_status(status, raw, self.label)
+        data = _json_body(raw)
         c = (
             generate_completion_from_body(data, self.label)
             if api == "generate"
@@ -307,15 +337,21 @@ class Endpoint:
             c.decode_tok_s = c.completion_tokens / c.latency_s
         return c
 
-    async def _stream(self, path: str, api: str, body: dict) -> Completion:
+    async def _stream(self, url: str, api: str, body: dict) -> Completion:
         acc = (
             GenerateStream(self.label, self.config.incremental_stream)
             if api == "generate"
             else ChatStream(self.label)
         )
-        async with self._data.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                raise_for_status(resp, await resp.aread(), self.label)
-            async for event in sse_events(resp.aiter_lines(), self.config.stall_timeout_s, self.label):
-                acc.feed(event)
+        async with self._data.post(
+            url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
+        ) as resp:
+            if resp.status != 200:
+                raise_for_status(resp.status, await resp.read(), self.label)
+            await read_sse(resp.content, self.config.stall_timeout_s, self.label, acc.feed)
         return acc.result()
+
+
+def _json_body(raw: bytes):
+    """A 2xx body as JSON (a body that is not JSON raises ValueError, as httpx's `.json()` did)."""
+    return json.loads(raw)
