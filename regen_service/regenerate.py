@@ -45,6 +45,9 @@ class Regenerator:
         self.tokenizer = tokenizer
         self.api = mix.target.api
         self.thinking = mix.regenerate.thinking
+        # Per-row constants, hashed once (the mix does not change under a Regenerator).
+        self._sampling_hash = mix.sampling.settings_hash()
+        self._regen_key = mix.regen_key()
 
     # --- requests ----------------------------------------------------------------------------
     def _sampling(self) -> dict:
@@ -157,8 +160,8 @@ class Regenerator:
             "row_index": record.row_index,
             "model": self.mix.target.model,
             "api": self.api,
-            "sampling_hash": self.mix.sampling.settings_hash(),
-            "regen_key": self.mix.regen_key(),
+            "sampling_hash": self._sampling_hash,
+            "regen_key": self._regen_key,
             "tools": tools_to_json(record.conversation.tools) if record.conversation else None,
             "error": None,
             "error_class": None,

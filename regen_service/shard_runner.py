@@ -95,12 +95,17 @@ def mark_done_from_file(ledger: Ledger, layout: RunLayout, shard_id: int) -> Sha
     prog = _Progress(rows={})
     for r in rows:
         prog.add(r, new=False)
+    return _announce_done(ledger, layout, shard_id, prog)
+
+
+def _announce_done(ledger: Ledger, layout: RunLayout, shard_id: int, prog: _Progress) -> ShardDoneEvent:
+    """Final counters, then the done mark and its shard_done event (once, whoever calls it)."""
     _record_progress(ledger, layout.run_id, shard_id, prog)
     event = ShardDoneEvent(
         run_id=layout.run_id,
         shard_id=shard_id,
         path=layout.output_shard(shard_id),
-        num_rows=len(rows),
+        num_rows=len(prog.rows),
         num_errors=sum(prog.failed_by_source.values()),
         num_tokens=prog.tokens,
     )
@@ -163,16 +168,7 @@ def process_shard(
             raise LeaseLostError(f"lease on {run_id}/{shard_id} lost before finalizing")
         storage.write_table_atomic(layout.output_shard(shard_id), outputs_to_table(ordered))
         shard_log.remove()
-        _record_progress(ledger, run_id, shard_id, prog)
-        ev = ShardDoneEvent(
-            run_id=run_id,
-            shard_id=shard_id,
-            path=layout.output_shard(shard_id),
-            num_rows=len(ordered),
-            num_errors=sum(prog.failed_by_source.values()),
-            num_tokens=prog.tokens,
-        )
-        ledger.mark_shard_done(ev)
+        ev = _announce_done(ledger, layout, shard_id, prog)
         SHARDS_FINISHED.inc()
         return ShardOutcome(
             run_id,

@@ -4,7 +4,7 @@ Prints one JSON object: producer time, end-to-end prompts/s with one worker, Red
 run, the worker's peak RSS, and the time from a worker restart (SIGKILL, new process) back to full speed.
 Uses its own key prefix and data root, and deletes its keys at the end.
 
-    python scripts/bench_scale.py [--num-prompts 83000] [--out bench/out/scale.json]
+    python scripts/bench_scale.py [--num-prompts 83000] [--no-stream] [--out bench/out/scale.json]
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main() -> None:
         "--restart-at", type=float, default=0.5, help="kill the worker when this fraction is done"
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-stream", action="store_true", help="run the worker with --no-stream")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="regen-scale-"))
     settings = Settings(redis_url=args.redis_url, data_root=str(tmp / "data"), key_prefix=f"bench-{uuid.uuid4().hex[:8]}",
@@ -108,7 +109,8 @@ def main() -> None:
         "producer_s": round(producer_s, 2),
     }
     with sim_server("--decode-tok-s", "0", "--max-running-requests", "512", log=tmp / "sim.log") as url:
-        wcmd = regen_cmd("worker", "--endpoint", url, "--hostname", "bench1@local")
+        extra = ["--no-stream"] if args.no_stream else []
+        wcmd = regen_cmd("worker", "--endpoint", url, "--hostname", "bench1@local", *extra)
         worker = spawn(wcmd, env=env, log=tmp / "worker.log")
         start = time.perf_counter()
         restarted_at = None
@@ -125,7 +127,7 @@ def main() -> None:
                     worker.send_signal(signal.SIGKILL)
                     worker.wait()
                     killed = True
-                    worker = spawn(regen_cmd("worker", "--endpoint", url, "--hostname", "bench2@local"), env=env,
+                    worker = spawn(regen_cmd("worker", "--endpoint", url, "--hostname", "bench2@local", *extra), env=env,
                                    log=tmp / "worker2.log")  # fmt: skip
                     restarted_at = time.perf_counter() - start
                 if killed and not resumed and now - restarted_at > settings.lease_ttl_s + 1:
@@ -166,6 +168,7 @@ def main() -> None:
         "worker_peak_rss_mb": round(peak_rss / 2**20, 1),
         "restart_to_90pct_speed_s": back,
         "killed_at_fraction": args.restart_at,
+        "stream": not args.no_stream,
         "cpu_count": os.cpu_count(),
     })  # fmt: skip
     keys = list(r.scan_iter(f"{settings.key_prefix}*"))

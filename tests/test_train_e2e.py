@@ -17,21 +17,10 @@ import yaml
 from regen_service.drafter.accept import accept_length
 from regen_service.drafter.checkpoint import load_latest
 from regen_service.drafter.fixtures import make_tiny_target, random_prompts
-from regen_service.drafter.model import DraftConfig, Eagle3Draft
 from regen_service.drafter.target import HFTarget
 from regen_service.producer import enqueue
 from tests.procs import regen_cmd, sim_server, wait_run_done, worker_process
-
-
-def _draft(ckpt: dict, target: HFTarget, trained: bool) -> Eagle3Draft:
-    draft = Eagle3Draft(DraftConfig.from_dict(ckpt["draft_config"]))
-    draft.embed_tokens.weight.data.copy_(target.embed_weight)
-    sd = ckpt["draft_state_dict"]
-    if trained:
-        draft.load_state_dict(sd, strict=False)
-    else:  # a fresh draft with the same frozen vocabulary: where training started
-        draft.set_vocab(sd["d2t"], sd["t2d"])
-    return draft
+from tests.test_drafter_accept import _draft
 
 
 @pytest.mark.slow

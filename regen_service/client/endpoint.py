@@ -152,8 +152,8 @@ class Endpoint:
             if client is not None:
                 await client.close()
 
-    async def _get(self, path: str) -> dict | None:
-        """GET a control path: its JSON body; None when it does not exist (404); errors classified."""
+    async def _get(self, path: str) -> bytes | None:
+        """GET a control path: its body; None when it does not exist (404); errors classified."""
         try:
             async with self._control.get(
                 self.url + path, proxy=self._proxy, proxy_auth=self._proxy_auth
@@ -172,7 +172,7 @@ class Endpoint:
         if status == 404:
             return None
         raise_for_status(status, body, f"{self.label}{path}")
-        return _json_body(body)
+        return body
 
     async def check(self, target_model: str) -> None:
         """Health, served model and limits. Raises EndpointTerminalError (and stops) on a wrong model or key."""
@@ -194,13 +194,14 @@ class Endpoint:
     async def _served_models(self) -> set[str]:
         served: set[str] = set()
         for path in ("/get_model_info", "/model_info"):
-            info = await self._get(path)
-            if info is not None:
+            body = await self._get(path)
+            if body is not None:
+                info = _json_body(body)
                 served.add(info.get("served_model_name") or info.get("model_path") or "")
                 break
-        models = await self._get("/v1/models")
-        if models is not None:
-            for m in models.get("data") or []:
+        body = await self._get("/v1/models")
+        if body is not None:
+            for m in _json_body(body).get("data") or []:
                 served.add(m.get("id") or "")
                 self.context_length = self.context_length or m.get("max_model_len")
         return {s for s in served if s}
@@ -208,9 +209,9 @@ class Endpoint:
     async def _read_limits(self) -> None:
         info: dict = {}
         for path in ("/get_server_info", "/server_info"):
-            got = await self._get(path)
-            if got is not None:
-                info = got
+            body = await self._get(path)
+            if body is not None:
+                info = _json_body(body)
                 break
         self.server_info = info
         self.context_length = info.get("context_length") or self.context_length

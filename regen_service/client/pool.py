@@ -52,6 +52,7 @@ class EndpointPool:
         self.config = config
         self.target_model = target_model
         self._cond = asyncio.Condition()
+        self._waiting = 0  # requests waiting in _acquire (release only notifies when there are some)
         self.endpoints = [Endpoint(url, config, target_model, self._notify) for url in config.endpoints]
         self._backoff = wait_exponential_jitter(
             multiplier=config.backoff_initial_s, max=config.backoff_max_s, jitter=config.backoff_jitter_s
@@ -127,7 +128,27 @@ class EndpointPool:
             self._cond.notify_all()
 
     # --- routing -----------------------------------------------------------------------------
+    def _pick(self, avoid: Endpoint | None) -> Endpoint | None:
+        """A usable endpoint under its limit, least outstanding first (ties at random); takes its slot.
+        Synchronous: no other coroutine runs between the choice and the increment."""
+        free = [ep for ep in self.endpoints if ep.inflight < ep.limit and ep.usable]
+        if not free:
+            return None
+        if len(free) > 1 and avoid in free:
+            free.remove(avoid)
+        if len(free) == 1:
+            ep = free[0]
+        else:
+            low = min(ep.inflight for ep in free)
+            ep = random.choice([e for e in free if e.inflight == low])
+        ep.inflight += 1
+        ep._m_inflight.set(ep.inflight)
+        return ep
+
     async def _acquire(self, avoid: Endpoint | None) -> Endpoint:
+        ep = self._pick(avoid)
+        if ep is not None:
+            return ep
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(self.config.backoff_max_s, 1.0)
         async with self._cond:
@@ -136,46 +157,44 @@ class EndpointPool:
                 if not alive:
                     reasons = "; ".join(f"{ep.label}: {ep.stopped_reason}" for ep in self.endpoints)
                     raise EndpointTerminalError(f"every endpoint is stopped ({reasons})")
-                usable = [ep for ep in alive if ep.usable]
-                free = [ep for ep in usable if ep.inflight < ep.limit]
-                if len(free) > 1 and avoid in free:
-                    free.remove(avoid)
-                if free:
-                    low = min(ep.inflight for ep in free)
-                    ep = random.choice([e for e in free if e.inflight == low])
-                    ep.inflight += 1
-                    metrics.INFLIGHT.labels(ep.label).set(ep.inflight)
+                ep = self._pick(avoid)
+                if ep is not None:
                     return ep
-                if usable:  # all busy: ordinary backpressure, wait for a slot
-                    await self._cond.wait()
-                    continue
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise NoEndpointAvailableError(
-                        "every endpoint is ejected (being probed); none came back in time"
-                    )
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), left)
+                self._waiting += 1
+                try:
+                    if any(ep.usable for ep in alive):  # all busy: ordinary backpressure, wait for a slot
+                        await self._cond.wait()
+                        continue
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise NoEndpointAvailableError(
+                            "every endpoint is ejected (being probed); none came back in time"
+                        )
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), left)
+                finally:
+                    self._waiting -= 1
 
     async def _release(self, ep: Endpoint) -> None:
-        async with self._cond:
-            ep.inflight -= 1
-            metrics.INFLIGHT.labels(ep.label).set(ep.inflight)
-            self._cond.notify_all()
+        ep.inflight -= 1
+        ep._m_inflight.set(ep.inflight)
+        if self._waiting:
+            async with self._cond:
+                self._cond.notify_all()
 
     # --- requests ----------------------------------------------------------------------------
     async def complete(self, api: str, payload: dict, *, prompt_len: int | None = None) -> Completion:
         """One answered request (api 'generate' or 'chat'); raises RowTerminalError,
         RetriesExhaustedError or EndpointTerminalError (every endpoint stopped)."""
         state = _Attempt(self.config.stream)
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.config.max_attempts),
-            wait=self._wait,
-            retry=self._should_retry,
-            reraise=True,
-        )
         try:
-            result = await retrying(self._attempt, state, api, payload, prompt_len)
+            try:
+                # Fast path: the first attempt runs bare; tenacity takes over only once it failed.
+                result = await self._attempt(state, api, payload, prompt_len)
+            except Exception as first:
+                if not self._retry_after(first) or self.config.max_attempts <= 1:
+                    raise
+                result = await self._retry(state, api, payload, prompt_len, first)
         except RetryableError as e:
             metrics.RETRIES_EXHAUSTED.inc()
             raise RetriesExhaustedError(
@@ -184,18 +203,38 @@ class EndpointPool:
         result.attempts = state.number
         return result
 
-    def _should_retry(self, rs: RetryCallState) -> bool:
-        exc = rs.outcome.exception() if rs.outcome else None
+    async def _retry(
+        self, state: _Attempt, api: str, payload: dict, prompt_len: int | None, first: Exception
+    ) -> Completion:
+        """Attempts 2..max_attempts under tenacity, after the first attempt failed with `first`: the
+        same policy as one AsyncRetrying over all attempts (tenacity's attempt k is attempt k + 1)."""
+        delay = self._delay(first, 1)
+        if delay:
+            await asyncio.sleep(delay)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.max_attempts - 1),
+            wait=lambda rs: self._delay(
+                rs.outcome.exception() if rs.outcome else None, rs.attempt_number + 1
+            ),
+            retry=self._should_retry,
+            reraise=True,
+        )
+        return await retrying(self._attempt, state, api, payload, prompt_len)
+
+    def _retry_after(self, exc: BaseException | None) -> bool:
         if isinstance(exc, RetryableError):
             return True
         # A stopped endpoint is not the row's fault: try the others while any is left.
         return isinstance(exc, EndpointTerminalError) and any(not ep.stopped for ep in self.endpoints)
 
-    def _wait(self, rs: RetryCallState) -> float:
-        exc = rs.outcome.exception() if rs.outcome else None
+    def _should_retry(self, rs: RetryCallState) -> bool:
+        return self._retry_after(rs.outcome.exception() if rs.outcome else None)
+
+    def _delay(self, exc: BaseException | None, attempt_number: int) -> float:
+        """Seconds to wait after attempt `attempt_number` (1-based) failed with `exc`."""
         if isinstance(exc, (EndpointTerminalError, NoEndpointAvailableError)):
             return 0.0  # move on at once (acquire itself waited for an endpoint to come back)
-        return self._backoff(rs)
+        return self._backoff(_AttemptNumber(attempt_number))
 
     async def _attempt(self, state: _Attempt, api: str, payload: dict, prompt_len: int | None) -> Completion:
         state.number += 1
@@ -222,9 +261,18 @@ class EndpointPool:
         finally:
             await self._release(ep)
         ep.record_success()
-        metrics.PROMPTS_ANSWERED.labels(ep.label).inc()
-        metrics.OUTPUT_TOKENS.labels(ep.label).inc(result.completion_tokens or 0)
-        metrics.PROMPT_TOKENS.labels(ep.label).inc(result.prompt_tokens or 0)
+        ep._m_answered.inc()
+        ep._m_out_tokens.inc(result.completion_tokens or 0)
+        ep._m_prompt_tokens.inc(result.prompt_tokens or 0)
         if result.ttft_s is not None:
-            metrics.TTFT.labels(ep.label).observe(result.ttft_s)
+            ep._m_ttft.observe(result.ttft_s)
         return result
+
+
+class _AttemptNumber:
+    """What tenacity's wait strategies read from a RetryCallState."""
+
+    __slots__ = ("attempt_number",)
+
+    def __init__(self, n: int) -> None:
+        self.attempt_number = n

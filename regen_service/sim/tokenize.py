@@ -16,6 +16,8 @@ import itertools
 import json
 import random
 import re
+from bisect import bisect_right
+from itertools import repeat
 from typing import Protocol
 
 MARKERS = {
@@ -67,6 +69,7 @@ WORDS = _build_words()
 # Common words come up ten times as often as made-up ones, so generated text reads less like noise.
 _NUM_COMMON = len(dict.fromkeys(_COMMON))
 _CUM_WEIGHTS = list(itertools.accumulate(10 if i < _NUM_COMMON else 1 for i in range(len(WORDS))))
+_CUM_TOTAL = _CUM_WEIGHTS[-1] + 0.0
 _WORD_BASE = 1000
 _PERIOD, _COMMA = ord("."), ord(",")
 _MARKER_RE = "|".join(re.escape(m) for m in MARKERS)
@@ -128,7 +131,10 @@ class SyntheticTokenizer:
     def filler(self, rng: random.Random, n: int) -> list[int]:
         if n <= 0:
             return []
-        ids = [_WORD_BASE + i for i in rng.choices(range(len(WORDS)), cum_weights=_CUM_WEIGHTS, k=n)]
+        # rng.choices(range(len(WORDS)), cum_weights=_CUM_WEIGHTS, k=n) inlined: the same draws (one
+        # random() per token, bisected the same way), without a second pass to add _WORD_BASE.
+        rand, total, hi = rng.random, _CUM_TOTAL, len(_CUM_WEIGHTS) - 1
+        ids = [_WORD_BASE + bisect_right(_CUM_WEIGHTS, rand() * total, 0, hi) for _ in repeat(None, n)]
         # Sentences of 6-20 tokens, so the text reads like text and byte tokens appear too.
         i = rng.randint(6, 20)
         while i < n:
