@@ -1,7 +1,7 @@
 """One worker process's long-lived state: its event loop, endpoint pools, tokenizers and in-flight budget.
 
 Celery runs shard tasks in threads; all HTTP work happens on one asyncio loop owned by this runtime.
-Every shard a worker holds draws request slots from ONE semaphore sized to the pool's in-flight target,
+Every shard a worker holds draws request slots from ONE budget that follows the pool's in-flight target,
 so when one shard drains its tail the next shard's prompts already fill the freed slots: a server never
 idles at shard boundaries while the queue holds work. The loop is uvloop's where uvloop is installed
 (several times less loop overhead per request), asyncio's otherwise. What a shard does is
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from regen_service.client.config import PoolConfig
 from regen_service.client.pool import EndpointPool
+from regen_service.loops import new_event_loop
 from regen_service.regenerate import Regenerator
 from regen_service.settings import Settings
 from schemas.mix import MixSpec
@@ -26,13 +27,37 @@ from schemas.mix import MixSpec
 log = logging.getLogger(__name__)
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop when it is installed (not on Windows), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+class InflightBudget:
+    """A FIFO semaphore whose size follows the pool's in-flight target as endpoints leave and come back.
+
+    The pool enforces per-endpoint limits itself; this budget keeps the waiting in one FIFO queue (one
+    wake-up per freed slot) instead of every waiting prompt contending inside the pool.
+    """
+
+    def __init__(self, target) -> None:
+        self._target = target
+        self._size = max(1, target())
+        self._sem = asyncio.Semaphore(self._size)
+
+    def _grow(self) -> None:
+        while self._size < max(1, self._target()):
+            self._size += 1
+            self._sem.release()
+
+    async def __aenter__(self) -> None:
+        self._grow()
+        while True:
+            await self._sem.acquire()
+            if self._size <= max(1, self._target()):
+                return
+            self._size -= 1  # a slot beyond the (shrunk) target: retire it and wait for another
+
+    async def __aexit__(self, *exc) -> None:
+        if self._size > max(1, self._target()):
+            self._size -= 1  # shrink by keeping this slot
+        else:
+            self._sem.release()
+        self._grow()
 
 
 class WorkerConfig(BaseModel):
@@ -74,7 +99,7 @@ class WorkerRuntime:
         self._thread.start()
         self._pools: dict[str, EndpointPool] = {}
         self._tokenizers: dict[str, object] = {}
-        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._budgets: dict[str, InflightBudget] = {}
         self._lock = threading.Lock()
 
     def _run_loop(self) -> None:
@@ -88,7 +113,7 @@ class WorkerRuntime:
         return self.submit(coro).result()
 
     # --- per target model: one pool and one in-flight budget -----------------------------------------
-    def pool_for(self, model: str) -> tuple[EndpointPool, asyncio.Semaphore]:
+    def pool_for(self, model: str) -> tuple[EndpointPool, InflightBudget]:
         with self._lock:
             if model not in self._pools:
                 pool = EndpointPool(self.config.pool_config(), target_model=model)
@@ -96,12 +121,12 @@ class WorkerRuntime:
                     pool.start()
                 )  # raises EndpointTerminalError on a wrong model: nothing is registered
                 self._pools[model] = pool
-                self.submit(self._make_semaphore(model, pool.inflight_target)).result()
+                self.call(self._make_budget(model, pool))
                 log.info("endpoint pool for %s ready: in-flight target %d", model, pool.inflight_target)
-            return self._pools[model], self._semaphores[model]
+            return self._pools[model], self._budgets[model]
 
-    async def _make_semaphore(self, model: str, size: int) -> None:
-        self._semaphores[model] = asyncio.Semaphore(max(1, size))
+    async def _make_budget(self, model: str, pool: EndpointPool) -> None:
+        self._budgets[model] = InflightBudget(lambda: pool.inflight_target)
 
     def tokenizer_for(self, mix: MixSpec):
         path = mix.target.tokenizer
@@ -114,7 +139,7 @@ class WorkerRuntime:
                 self._tokenizers[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
             return self._tokenizers[path]
 
-    def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, asyncio.Semaphore]:
+    def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, InflightBudget]:
         pool, sem = self.pool_for(mix.target.model)
         return Regenerator(pool, mix, tokenizer=self.tokenizer_for(mix)), sem
 

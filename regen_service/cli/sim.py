@@ -174,17 +174,16 @@ from regen_service.cli.base import main
 )
 def sim(log_level: str, **flags) -> None:
     """Serve an SGLang-compatible simulator of the target model (capacity model, deterministic answers, faults)."""
-    import asyncio
     import logging
 
     from pydantic import ValidationError
 
     from regen_service.sim.config import SimConfig
-    from regen_service.sim.server import serve
+    from regen_service.sim.server import run
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = SimConfig(**flags)
     except ValidationError as e:
         raise click.UsageError(str(e)) from e
-    asyncio.run(serve(cfg))
+    run(cfg)

@@ -4,10 +4,7 @@
 middleware (API key check, and dropping connections that slip in during an outage); `serve` runs
 it with the scheduler's tick loop and the throughput sampler until the process is signalled. The
 HTTP shapes themselves live in the route modules.
-
-Importing this module makes uvloop the event loop policy where uvloop is installed: only the
-simulator process imports it (`regen sim` right before `asyncio.run(serve(cfg))`), and uvloop
-roughly halves the loop's share of an instant-mode request. `run(cfg)` does the same explicitly.
+`run(cfg)` serves on uvloop where installed (regen_service.loops).
 """
 
 from __future__ import annotations
@@ -16,10 +13,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-import warnings
 
 from aiohttp import web
 
+from regen_service import loops
 from regen_service.sim import admin, info, native, openai_api
 from regen_service.sim.config import SimConfig
 from regen_service.sim.engine import Engine
@@ -29,19 +26,6 @@ from regen_service.sim.wire import drop_connection, json_response
 
 log = logging.getLogger("regen.sim")
 
-
-def _uvloop_policy() -> bool:
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True
-
-
-_UVLOOP = _uvloop_policy()
 
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 
@@ -128,4 +112,4 @@ async def serve(cfg: SimConfig) -> None:
 
 def run(cfg: SimConfig) -> None:
     """Serve until signalled, on uvloop where installed."""
-    asyncio.run(serve(cfg))
+    loops.run(serve(cfg))
