@@ -141,7 +141,12 @@ async def drive_direct(urls: list[str], args: argparse.Namespace, faults: bool) 
 
 
 def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dict:
-    """One real `regen worker` process over Redis/Celery; figures read from the simulators."""
+    """One real `regen worker` process over Redis/Celery. Output tokens are those of the rows the run kept
+    (read back from its Parquet shards), not the simulators' counters, which include answers lost in flight."""
+    from regen_service.ledger import Ledger
+    from regen_service.settings import Settings
+    from regen_service.status import run_status
+
     work = Path(tempfile.mkdtemp(prefix="regen-bench-"))
     with open(work / "bench.jsonl", "w") as f:
         for r in records(args.prompts):
@@ -151,8 +156,12 @@ def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dic
             )
     m = mix().model_dump(exclude={"base_dir"})
     (work / "mix.yaml").write_text(json.dumps(m))
-    env = {**os.environ, "REGEN_DATA_ROOT": str(work / "data"), "REGEN_KEY_PREFIX": f"bench{os.getpid()}"}
-    subprocess.run([*REGEN, "enqueue", "--no-reuse", str(work / "mix.yaml")], env=env, check=True)
+    env = {**os.environ, "REGEN_DATA_ROOT": str(work / "data"), "REGEN_KEY_PREFIX": f"bench{os.getpid()}{int(faults)}",
+           "REGEN_LOG_LEVEL": "WARNING"}  # fmt: skip
+    settings = Settings.from_env(env)
+    out = subprocess.run([*REGEN, "enqueue", "--no-reuse", "--json", str(work / "mix.yaml")], env=env, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    run_id = json.loads(out.stdout)["run_id"]
     targets = []
     for u in urls:
         info = httpx.get(f"{u}/get_server_info").json()
@@ -160,7 +169,9 @@ def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dic
             min(info["max_running_requests"] * 2, info["max_running_requests"] + info["max_queued_requests"])
         )
     endpoint_args = [a for u in urls for a in ("--endpoint", u)]
-    worker = subprocess.Popen([*REGEN, "worker", *endpoint_args], env=env, stdout=subprocess.DEVNULL)
+    worker = subprocess.Popen([*REGEN, "worker", *endpoint_args], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    ledger = Ledger(settings)
     samples, t0, started = [], None, False
     injector = None
     try:
@@ -175,17 +186,29 @@ def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dic
                     )
             if started:
                 samples.append(outstanding / sum(targets))
-            if sum(s["completed"] for s in stats) >= args.prompts:
+            if run_status(ledger, run_id)["state"] == "done":
                 break
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker exited with {worker.returncode}")
             time.sleep(0.05)
         wall = time.monotonic() - t0
-        tokens = sum(httpx.get(f"{u}/sim/stats").json()["tokens_generated"] for u in urls)
     finally:
         worker.terminate()
         worker.wait(timeout=30)
         if injector:
             injector.wait(timeout=120)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(work / "data" / "runs" / run_id / "outputs", columns=["prompt_id", "completion_tokens",
+                                                                             "error", "attempts"]).to_pylist()  # fmt: skip
+    tokens = sum(r["completion_tokens"] or 0 for r in rows)
+    keys = list(ledger.r.scan_iter(f"{settings.key_prefix}*"))
+    if keys:
+        ledger.r.delete(*keys)
     return {"wall_s": round(wall, 2), "output_tokens": tokens, "tok_s": round(tokens / wall, 1),
+            "rows": len(rows), "unique_prompts": len({r["prompt_id"] for r in rows}),
+            "errors": sum(1 for r in rows if r["error"]),
+            "mean_attempts": round(sum(r["attempts"] or 0 for r in rows) / max(1, len(rows)), 3),
             "inflight_over_target": round(sum(samples) / len(samples), 4)}  # fmt: skip
 
 

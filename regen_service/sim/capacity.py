@@ -38,6 +38,8 @@ class Job:
     t_decode: float = 0.0  # when decoding may start (admission + prefill)
     t_last: float = 0.0
     paused_until: float = 0.0
+    t_submit: float = 0.0
+    t_end: float = 0.0  # when the last token was due (inside the tick that noticed it)
     done: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -60,6 +62,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         cfg = self._cfg()
+        job.t_submit = time.monotonic()
         if len(self._running) + len(self._queue) >= cfg.max_running_requests + cfg.max_queued_requests:
             raise QueueFull
         if len(self._running) < cfg.max_running_requests and not self._queue:
@@ -133,11 +136,20 @@ class Scheduler:
                 job.k = k
                 job.changed.set()
             if k >= job.num_stop and now >= job.paused_until:
+                # the moment the last token was due, not the tick that noticed it
+                overshoot = (job.progress - job.num_stop) / speed if speed > 0 else 0.0
+                job.t_end = max(begin, now - overshoot)
                 finished.append(job)
-        for job in finished:
+        for job in sorted(finished, key=lambda j: j.t_end):
             job.done = True
             job.changed.set()
             del self._running[job]
+            # Continuous batching admits the next request at the decode step after a slot frees, which is
+            # far finer than this tick: start it when the slot freed (or when it arrived, if later), so the
+            # tick length costs no capacity.
+            if self._queue and len(self._running) < cfg.max_running_requests:
+                nxt = self._queue.popleft()
+                self._start(nxt, max(job.t_end, nxt.t_submit))
         if finished:
             self._admit(now)
             self._report()
