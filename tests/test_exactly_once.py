@@ -199,7 +199,9 @@ def test_chaos_kills_and_wipe_exactly_once(settings, settings_env, tmp_path, red
     assert len(rows) == num_prompts
     assert len({r["prompt_id"] for r in rows}) == num_prompts
     asked_twice = stats["requests_total"] - num_prompts
-    print(f"chaos: {num_prompts} prompts, asked twice {asked_twice}, in flight at the faults {in_flight_at_faults}")
+    print(
+        f"chaos: {num_prompts} prompts, asked twice {asked_twice}, in flight at the faults {in_flight_at_faults}"
+    )
     assert 0 <= asked_twice <= in_flight_at_faults, (asked_twice, in_flight_at_faults)
 
     # the reference: the same mix, uninterrupted, against a simulator with the same seed
