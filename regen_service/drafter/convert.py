@@ -20,18 +20,6 @@ from regen_service.errors import ConfigError
 # Where speculators versions (and hand-written configs) put the aux layer ids; vLLM convention.
 _AUX_FIELDS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_hidden_state_layer_ids")
 _DROPPED = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
-_LAYER_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "rope_theta",
-    "max_position_embeddings",
-    "vocab_size",
-    "hidden_act",
-)
 
 
 def is_speculators_config(cfg: dict) -> bool:
@@ -78,7 +66,7 @@ def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, 
         "num_hidden_layers": 1,
         **fmt.DEFAULT_CONFIG_FIELDS,
     }
-    cfg.update({k: layer[k] for k in _LAYER_FIELDS if layer.get(k) is not None})
+    cfg.update({k: layer[k] for k in fmt.LAYER_CONFIG_FIELDS if layer.get(k) is not None})
     cfg["draft_vocab_size"] = int(src_cfg.get("draft_vocab_size") or cfg.get("vocab_size"))
     cfg["target_hidden_size"] = int(src_cfg.get("target_hidden_size") or cfg.get("hidden_size"))
     cfg["tie_word_embeddings"] = False

@@ -72,20 +72,7 @@ def build_config(draft_config: dict, aux_inputs: list[int]) -> dict:
         "num_hidden_layers": 1,
         **fmt.DEFAULT_CONFIG_FIELDS,
     }
-    for key in (
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-        "vocab_size",
-        "draft_vocab_size",
-        "target_hidden_size",
-        "hidden_act",
-    ):
+    for key in (*fmt.LAYER_CONFIG_FIELDS, "draft_vocab_size", "target_hidden_size"):
         if draft_config.get(key) is not None:
             cfg[key] = draft_config[key]
     cfg.setdefault("target_hidden_size", cfg["hidden_size"])

@@ -43,6 +43,20 @@ REQUIRED_KEYS = (
 # `fc.bias` only exists when the config says `"bias": true`.
 OPTIONAL_KEYS = ("embed_tokens.weight", "fc.bias")
 
+# The decoder layer's own config fields, copied into config.json by export and convert alike.
+LAYER_CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "vocab_size",
+    "hidden_act",
+)
+
 REQUIRED_CONFIG_FIELDS = (
     "hidden_size",
     "intermediate_size",
