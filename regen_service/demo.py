@@ -9,6 +9,7 @@ Redis already running (REGEN_REDIS_URL) and the data root (REGEN_DATA_ROOT, defa
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -75,6 +76,8 @@ def summarize(settings: Settings, run_id: str) -> str:
     layout = RunLayout(Storage(settings.data_root_resolved), run_id)
     manifest = load_manifest(layout)
     files = sorted(p for p in layout.storage.ls(layout.outputs_dir) if p.endswith(".parquet"))
+    if not files:
+        return f"run {run_id}: no output shards under {layout.outputs_dir}"
     ds = datasets.load_dataset("parquet", data_files=files, split="train")
     answered: dict[str, int] = {}
     errors: dict[str, int] = {}
@@ -107,6 +110,10 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
             'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no'
         ) from None
     mix = Path(mix_path) if mix_path else DEMO_MIX
+    # The demo's runs live in a namespace of this data root's own, so demos started from two folders
+    # on one Redis never see each other's ledger.
+    root_tag = hashlib.sha256(settings.data_root_resolved.encode()).hexdigest()[:6]
+    settings = settings.model_copy(update={"key_prefix": f"{settings.key_prefix}-demo-{root_tag}"})
     logs = Path(settings.data_root_resolved) / "demo-logs"
     env = {**os.environ, "REGEN_REDIS_URL": settings.redis_url, "REGEN_DATA_ROOT": settings.data_root_resolved,
            "REGEN_KEY_PREFIX": settings.key_prefix}  # fmt: skip
@@ -144,7 +151,8 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
             time.sleep(0.5)
         print(summarize(settings, res.run_id), flush=True)
         print(
-            f"demo finished in {time.monotonic() - t0:.1f}s; check it with: regen status {res.run_id}",
+            f"demo finished in {time.monotonic() - t0:.1f}s; check it with: "
+            f"REGEN_KEY_PREFIX={settings.key_prefix} regen status {res.run_id}",
             flush=True,
         )
         return 0 if st["state"] == "done" else 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
 from regen_service.prepare import prepare_run, run_id_for
 from regen_service.queue import make_celery, send_shard
@@ -60,6 +61,19 @@ def enqueue(settings: Settings, mix_path: str | Path, *, reuse: bool = True) -> 
     done = done_shards_in_storage(layout)
     sources = {k: v.model_dump() for k, v in manifest.sources.items()}
     if not ledger.register_run(manifest, layout.storage.url, done_shards=done):
+        requeued = _reconcile(settings, ledger, layout, manifest, done)
+        if requeued:
+            return EnqueueResult(
+                manifest.run_id,
+                False,
+                requeued,
+                manifest.num_shards,
+                manifest.num_prompts,
+                layout.run_dir,
+                sources,
+                f"run {manifest.run_id} was already enqueued; {requeued} shards the ledger counted as done "
+                "have no output file under the data root and were queued again (storage is the truth)",
+            )
         return EnqueueResult(
             manifest.run_id,
             False,
@@ -82,6 +96,33 @@ def enqueue(settings: Settings, mix_path: str | Path, *, reuse: bool = True) -> 
         f"run {manifest.run_id}: {manifest.num_prompts} prompts in {manifest.num_shards} shards, "
         f"{manifest.num_reused} reused from earlier runs, {sent} tasks sent",
     )
+
+
+def _reconcile(
+    settings: Settings, ledger: Ledger, layout: RunLayout, manifest: RunManifest, done: set[int]
+) -> int:
+    """The run is known to the ledger: refuse another data root's record, and re-queue shards the ledger
+    calls done whose output files are missing here. Returns how many shards were queued again."""
+    record = ledger.run_record(manifest.run_id) or {}
+    if record.get("data_root") and record["data_root"] != layout.storage.url:
+        raise ConfigError(
+            f"run {manifest.run_id} is registered in Redis ({settings.redis_url_redacted}, prefix "
+            f"{settings.key_prefix!r}) for the data root {record['data_root']}, not {layout.storage.url}. "
+            "Use the same REGEN_DATA_ROOT, or give this data root its own REGEN_KEY_PREFIX."
+        )
+    missing = [
+        sid
+        for sid, state in ledger.shard_states(manifest.run_id).items()
+        if state == "done" and sid not in done
+    ]
+    if not missing:
+        return 0
+    app = make_celery(settings)
+    with app.producer_or_acquire():
+        for sid in missing:
+            ledger.set_shard_state(manifest.run_id, sid, "queued")
+            send_shard(app, manifest.run_id, sid)
+    return len(missing)
 
 
 def send_pending(settings: Settings, manifest: RunManifest, done: set[int]) -> int:

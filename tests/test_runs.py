@@ -104,3 +104,28 @@ def test_retry_failed_sends_exhausted_rows_again(settings, settings_env, tmp_pat
     assert (
         len([e for _, e in events if e["type"] == "shard_done"]) == 4
     )  # each shard announced again once redone
+
+
+def test_storage_wins_over_a_stale_ledger(settings, settings_env, tmp_path):
+    """Outputs deleted behind the ledger's back: enqueueing again queues those shards; another data root is refused."""
+    import shutil
+
+    import pytest
+
+    from regen_service.errors import ConfigError
+
+    mix = write_prompt_mix(tmp_path, "stale", 40, 20)
+    with (
+        sim_server("--decode-tok-s", "0") as url,
+        worker_process(settings_env, url, log=tmp_path / "w.log") as w,
+    ):
+        res = enqueue(settings, mix)
+        wait_run_done(settings, res.run_id, procs=(w,))
+        shutil.rmtree(f"{settings.data_root_resolved}/runs/{res.run_id}/outputs")
+        again = enqueue(settings, mix)
+        assert not again.created and again.num_tasks_sent == 2 and "queued again" in again.message
+        wait_run_done(settings, res.run_id, procs=(w,))
+    assert len(output_rows(settings, res.run_id)) == 40
+    other = settings.model_copy(update={"data_root": str(tmp_path / "elsewhere")})
+    with pytest.raises(ConfigError, match="REGEN_KEY_PREFIX"):
+        enqueue(other, mix)

@@ -54,7 +54,7 @@ def enqueue(mix: str, as_json: bool, no_reuse: bool) -> None:
     _setup_logging(settings)
     try:
         res = do_enqueue(settings, mix, reuse=not no_reuse)
-    except MixError as e:
+    except (MixError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         _print_json(res.as_dict())
