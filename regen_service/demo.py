@@ -8,62 +8,22 @@ Redis already running (REGEN_REDIS_URL) and the data root (REGEN_DATA_ROOT, defa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import redis
 
 from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
+from regen_service.localproc import free_port, regen_cmd, spawn, stop, wait_http
 from regen_service.producer import enqueue
 from regen_service.settings import Settings
 from regen_service.status import run_status
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_MIX = DEMO_DIR / "mix.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log_path, "ab")  # noqa: SIM115 - the child owns it
-    cmd = [sys.executable, "-c", "from regen_service.cli import main; main()", *args]
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ConfigError(f"the simulator exited early ({proc.returncode}); see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise ConfigError(f"the simulator did not answer at {url} in {timeout_s:.0f}s; see {log_path}")
 
 
 def summarize(settings: Settings, run_id: str) -> str:
@@ -115,22 +75,25 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
     root_tag = hashlib.sha256(settings.data_root_resolved.encode()).hexdigest()[:6]
     settings = settings.model_copy(update={"key_prefix": f"{settings.key_prefix}-demo-{root_tag}"})
     logs = Path(settings.data_root_resolved) / "demo-logs"
-    env = {**os.environ, "REGEN_REDIS_URL": settings.redis_url, "REGEN_DATA_ROOT": settings.data_root_resolved,
+    env = {"REGEN_REDIS_URL": settings.redis_url, "REGEN_DATA_ROOT": settings.data_root_resolved,
            "REGEN_KEY_PREFIX": settings.key_prefix}  # fmt: skip
-    port = _free_port()
-    sim = _spawn(
-        ["sim", "--port", str(port), "--tokenizer", str(DEMO_DIR / "tokenizer"), "--model", "moonshotai/Kimi-K2.5",
-         "--decode-tok-s", "400", "--max-running-requests", "64", "--answer-len-mean", "60", "--think-prob", "0.5",
-         "--tool-call-prob", "0.3"],
+    port = free_port()
+    sim = spawn(
+        regen_cmd("sim", "--port", str(port), "--tokenizer", str(DEMO_DIR / "tokenizer"), "--model",
+                  "moonshotai/Kimi-K2.5", "--decode-tok-s", "400", "--max-running-requests", "64",
+                  "--answer-len-mean", "60", "--think-prob", "0.5", "--tool-call-prob", "0.3"),
         env, logs / "sim.log",
     )  # fmt: skip
     worker = None
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", sim, 60, logs / "sim.log")
+        try:
+            wait_http(f"{url}/health", timeout_s=60, proc=sim)
+        except (RuntimeError, TimeoutError) as e:
+            raise ConfigError(f"the simulator did not come up ({e}); see {logs / 'sim.log'}") from None
         print(f"simulator up at {url} (log: {logs / 'sim.log'})", flush=True)
-        worker = _spawn(["worker", "--endpoint", url, "--hostname", f"regen-demo@{socket.gethostname()}-{port}"],
-                        env, logs / "worker.log")  # fmt: skip
+        node = f"regen-demo@{socket.gethostname()}-{port}"
+        worker = spawn(regen_cmd("worker", "--endpoint", url, "--hostname", node), env, logs / "worker.log")
         res = enqueue(settings, mix)
         print(res.message, flush=True)
         ledger = Ledger(settings)
@@ -158,5 +121,5 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
         return 0 if st["state"] == "done" else 1
     finally:
         if worker is not None:
-            _stop(worker)
-        _stop(sim)
+            stop(worker)
+        stop(sim)

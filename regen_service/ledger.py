@@ -94,15 +94,6 @@ class Ledger:
         pipe.execute()
         return True
 
-    def forget_run(self, run_id: str) -> None:
-        keys = [
-            self.run_key(run_id, s)
-            for s in ("", "shards", "progress", "failed", "tokens", "srcdone", "srcfailed", "rate")
-        ]
-        keys[0] = self.run_key(run_id)
-        self.r.delete(*keys)
-        self.r.srem(f"{self.p}:runs", run_id)
-
     def run_ids(self) -> list[str]:
         return sorted(self.r.smembers(f"{self.p}:runs"))
 

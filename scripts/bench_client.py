@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,18 +29,13 @@ import httpx
 
 from regen_service.client.config import PoolConfig
 from regen_service.client.pool import EndpointPool
+from regen_service.localproc import free_port
 from regen_service.regenerate import Regenerator
 from schemas.conversation import Conversation, Message, PromptRecord
 from schemas.mix import MixSpec
 
 MODEL = "moonshotai/Kimi-K2.5"
 REGEN = [sys.executable, "-c", "from regen_service.cli import main; main()"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -7,72 +7,31 @@ real CLI, so tests exercise what operators run.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+from regen_service.localproc import free_port, regen_cmd, stop, wait_http
+from regen_service.localproc import spawn as _spawn
+
+__all__ = [
+    "free_port",
+    "regen_cmd",
+    "sim_server",
+    "spawn",
+    "stop",
+    "wait_http",
+    "wait_run_done",
+    "worker_process",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO.parent / "shared" / "samples"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def regen_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from regen_service.cli import main; main()", *args]
-
-
-def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            r = httpx.get(url, timeout=1.0)
-            if r.status_code < 500:
-                return
-            last = r.status_code
-        except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer in {timeout_s}s (last: {last})")
-
-
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
-
-
 def spawn(cmd: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
-    """Start a process in its own process group (so stop() takes its children too)."""
-    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(
-        cmd,
-        env={**os.environ, **(env or {})},
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=REPO,
-    )
+    return _spawn(cmd, env=env, log=log, cwd=REPO)
 
 
 @contextlib.contextmanager
