@@ -13,7 +13,8 @@ shard. Keys, all under the settings' key prefix P:
     P:run:<rid>:tokens              hash: shard id -> completion tokens generated
     P:run:<rid>:srcdone             hash: "<shard>|<source>" -> prompts finished from that source
     P:run:<rid>:srcfailed           hash: "<shard>|<source>" -> prompts failed from that source
-    P:run:<rid>:rate                hash: unix second -> tokens finished in that second (last ~5 min)
+    P:run:<rid>:srctokens           hash: "<shard>|<source>" -> completion tokens from that source
+    P:run:<rid>:rate                hash: "<unix second>[|<source>]" -> tokens finished then (last ~5 min)
     P:run:<rid>:events              stream of {type: shard_done|run_done, ...}
     P:lease:<rid>:<shard>           string: owner token, with a TTL renewed by the holder's heartbeat
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 
 import redis
@@ -119,6 +121,7 @@ class Ledger:
         num_tokens: int,
         per_source_finished: dict[str, int],
         per_source_failed: dict[str, int],
+        per_source_tokens: dict[str, int] | None = None,
     ) -> None:
         """Record how much of a shard is durable. Idempotent: values are set, not added."""
         sid = str(shard_id)
@@ -131,31 +134,45 @@ class Ledger:
                 self.run_key(run_id, "srcdone"),
                 mapping={f"{sid}|{k}": v for k, v in per_source_finished.items()},
             )
-        if per_source_failed:
-            pipe.hset(
-                self.run_key(run_id, "srcfailed"),
-                mapping={f"{sid}|{k}": v for k, v in per_source_failed.items()},
-            )
+        for suffix, values in (("srcfailed", per_source_failed), ("srctokens", per_source_tokens)):
+            if values:
+                pipe.hset(self.run_key(run_id, suffix), mapping={f"{sid}|{k}": v for k, v in values.items()})
         pipe.execute()
 
-    def add_rate_tokens(self, run_id: str, num_tokens: int, now: float | None = None) -> None:
-        """Feed the tokens/s figure; a rate, not a total, so a redo after a crash only blips it."""
-        if num_tokens <= 0:
+    def add_rate_tokens(self, run_id: str, per_source: dict[str, int], now: float | None = None) -> None:
+        """Feed the tokens/s figures (fields "<second>" and "<second>|<source>"); a rate, not a total, so
+        a redo after a crash only blips it."""
+        per_source = {k: v for k, v in per_source.items() if v > 0}
+        if not per_source:
             return
-        sec = int(now or time.time())
+        sec = str(int(now or time.time()))
         key = self.run_key(run_id, "rate")
         pipe = self.r.pipeline(transaction=False)
-        pipe.hincrby(key, str(sec), num_tokens)
+        pipe.hincrby(key, sec, sum(per_source.values()))
+        for src, n in per_source.items():
+            pipe.hincrby(key, f"{sec}|{src}", n)
         pipe.expire(key, RATE_WINDOW_S * 2)
         pipe.execute()
 
-    def tokens_last_window(self, run_id: str, window_s: int = 60, now: float | None = None) -> int:
+    def tokens_last_window(
+        self, run_id: str, window_s: int = 60, now: float | None = None
+    ) -> tuple[int, dict[str, int]]:
+        """Tokens finished in the last window_s seconds: the run's total and per source."""
         now_s = int(now or time.time())
         data = self.r.hgetall(self.run_key(run_id, "rate"))
-        stale = [k for k in data if int(k) < now_s - RATE_WINDOW_S]
+        total, by_source, stale = 0, defaultdict(int), []
+        for field, value in data.items():
+            sec, _, src = field.partition("|")
+            if int(sec) < now_s - RATE_WINDOW_S:
+                stale.append(field)
+            elif now_s - window_s < int(sec) <= now_s:
+                if src:
+                    by_source[src] += int(value)
+                else:
+                    total += int(value)
         if stale:
             self.r.hdel(self.run_key(run_id, "rate"), *stale)
-        return sum(int(v) for k, v in data.items() if now_s - window_s < int(k) <= now_s)
+        return total, dict(by_source)
 
     # --- shard completion ---------------------------------------------------------------------------
     def mark_shard_done(self, event: ShardDoneEvent) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from regen_service.ledger import Ledger
@@ -19,7 +18,7 @@ from regen_service.queue import make_celery, send_shard
 from regen_service.runinfo import done_shards_in_storage, load_manifest
 from regen_service.settings import Settings
 from regen_service.shard_log import ShardLog
-from regen_service.shard_runner import mark_done_from_file
+from regen_service.shard_runner import Progress, mark_done_from_file, record_progress
 from regen_service.storage import RunLayout, Storage
 
 
@@ -73,14 +72,10 @@ def restore_ledger(settings: Settings, ledger: Ledger, layout: RunLayout) -> tup
             continue
         if states.get(sid) == "done":  # the ledger says done but the file is gone: storage wins
             ledger.set_shard_state(layout.run_id, sid, "queued")
-        rows = ShardLog(layout, sid, owner="resume").load().values()
-        by_src = Counter(r["source"] for r in rows)
-        failed = Counter(r["source"] for r in rows if r.get("error"))
-        ledger.set_progress(
-            layout.run_id, sid, num_finished=len(rows), num_failed=sum(failed.values()),
-            num_tokens=sum(r.get("completion_tokens") or 0 for r in rows),
-            per_source_finished=dict(by_src), per_source_failed=dict(failed),
-        )  # fmt: skip
+        prog = Progress(rows={})
+        for row in ShardLog(layout, sid, owner="resume").load().values():
+            prog.add(row, new=False)
+        record_progress(ledger, layout.run_id, sid, prog)
     return done, rebuilt
 
 

@@ -52,12 +52,18 @@ class ShardOutcome:
 
 
 @dataclass
-class _Progress:
+class Progress:
+    """What is durable of one shard: its rows by prompt id, and the counts the ledger shows per source."""
+
     rows: dict[str, dict]
     by_source: Counter = field(default_factory=Counter)
     failed_by_source: Counter = field(default_factory=Counter)
-    tokens: int = 0
-    unreported_tokens: int = 0
+    tokens_by_source: Counter = field(default_factory=Counter)
+    unreported_by_source: Counter = field(default_factory=Counter)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_by_source.values())
 
     def add(self, row: dict, *, new: bool) -> None:
         self.rows[row["prompt_id"]] = row
@@ -65,16 +71,16 @@ class _Progress:
         if row.get("error"):
             self.failed_by_source[row["source"]] += 1
         tok = row.get("completion_tokens") or 0
-        self.tokens += tok
+        self.tokens_by_source[row["source"]] += tok
         if new:
-            self.unreported_tokens += tok
+            self.unreported_by_source[row["source"]] += tok
 
 
 def owner_token(hostname: str | None = None) -> str:
     return f"{hostname or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def _record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: _Progress) -> None:
+def record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: Progress) -> None:
     ledger.set_progress(
         run_id,
         shard_id,
@@ -83,24 +89,25 @@ def _record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: _Progress
         num_tokens=prog.tokens,
         per_source_finished=dict(prog.by_source),
         per_source_failed=dict(prog.failed_by_source),
+        per_source_tokens=dict(prog.tokens_by_source),
     )
-    ledger.add_rate_tokens(run_id, prog.unreported_tokens)
-    prog.unreported_tokens = 0
+    ledger.add_rate_tokens(run_id, dict(prog.unreported_by_source))
+    prog.unreported_by_source.clear()
 
 
 def mark_done_from_file(ledger: Ledger, layout: RunLayout, shard_id: int) -> ShardDoneEvent:
     """The output file exists (it is the completion marker): make the ledger agree, idempotently."""
     table = layout.storage.read_table(layout.output_shard(shard_id))
     rows = table.select(["prompt_id", "source", "error", "completion_tokens"]).to_pylist()
-    prog = _Progress(rows={})
+    prog = Progress(rows={})
     for r in rows:
         prog.add(r, new=False)
     return _announce_done(ledger, layout, shard_id, prog)
 
 
-def _announce_done(ledger: Ledger, layout: RunLayout, shard_id: int, prog: _Progress) -> ShardDoneEvent:
+def _announce_done(ledger: Ledger, layout: RunLayout, shard_id: int, prog: Progress) -> ShardDoneEvent:
     """Final counters, then the done mark and its shard_done event (once, whoever calls it)."""
-    _record_progress(ledger, layout.run_id, shard_id, prog)
+    record_progress(ledger, layout.run_id, shard_id, prog)
     event = ShardDoneEvent(
         run_id=layout.run_id,
         shard_id=shard_id,
@@ -139,7 +146,7 @@ def process_shard(
             flush_rows=runtime.config.flush_rows,
             flush_interval_s=runtime.config.flush_interval_s,
         )
-        prog = _Progress(rows={})
+        prog = Progress(rows={})
         if redo_errors and storage.exists(layout.output_shard(shard_id)):
             prior = storage.read_table(layout.output_shard(shard_id)).to_pylist()
             for row in prior:
@@ -154,7 +161,7 @@ def process_shard(
             count_row(row)
         todo = [r for r in records if r.prompt_id not in prog.rows]
         ledger.set_shard_state(run_id, shard_id, "running")
-        _record_progress(ledger, run_id, shard_id, prog)
+        record_progress(ledger, run_id, shard_id, prog)
         num_skipped = len(prog.rows)
         regenerator, sem = runtime.regenerator_for(mix)
         runtime.call(
@@ -206,7 +213,7 @@ async def _answer_all(
             if not ok:
                 lost.set()
                 return
-            await asyncio.to_thread(_record_progress, ledger, run_id, shard_id, prog)
+            await asyncio.to_thread(record_progress, ledger, run_id, shard_id, prog)
 
     async def one(record: PromptRecord):
         if record.input_ids is not None:

@@ -25,67 +25,80 @@ def _sum_by_source(hash_: dict[str, str]) -> dict[str, int]:
     return out
 
 
+def _eta_s(remaining: int, done: int, tokens: int, tokens_per_s: float) -> float | None:
+    """Seconds left at the last minute's rate, from the tokens a finished prompt took on average."""
+    if remaining <= 0:
+        return 0.0
+    if tokens_per_s <= 0 or done <= 0:
+        return None
+    return round(remaining * (tokens / done) / tokens_per_s, 1)
+
+
+def _state(states: list[str], done_prompts: int) -> str:
+    if states and all(s == "done" for s in states):
+        return "done"
+    if "failed" in states and not any(s in ("queued", "running") for s in states):
+        return "failed"
+    if "running" in states or done_prompts > 0 or "done" in states:
+        return "running"
+    return "queued"
+
+
 def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | None:
     rec = ledger.run_record(run_id)
     if rec is None:
         return None
-    r = ledger.r
-    pipe = r.pipeline(transaction=False)
-    for suffix in ("shards", "progress", "failed", "tokens", "srcdone", "srcfailed"):
+    pipe = ledger.r.pipeline(transaction=False)
+    for suffix in ("shards", "progress", "failed", "tokens", "srcdone", "srcfailed", "srctokens"):
         pipe.hgetall(ledger.run_key(run_id, suffix))
-    shards, progress, failed, tokens, srcdone, srcfailed = pipe.execute()
+    shards, progress, failed, tokens, srcdone, srcfailed, srctokens = pipe.execute()
     shard_sources: dict[str, dict[str, int]] = json.loads(rec.get("shard_sources", "{}"))
     states = list(shards.values())
+    window_tokens, window_by_source = ledger.tokens_last_window(run_id, 60, now)
     prompts_total = int(rec.get("num_prompts", 0))
     prompts_done = sum(int(v) for v in progress.values())
-    prompts_failed = sum(int(v) for v in failed.values())
     tokens_generated = sum(int(v) for v in tokens.values())
-    tokens_per_s = ledger.tokens_last_window(run_id, 60, now) / 60.0
-    shards_done = states.count("done")
-    shards_failed = states.count("failed")
-    remaining = max(0, prompts_total - prompts_done)
-    eta_s = None
-    if remaining == 0:
-        eta_s = 0.0
-    elif tokens_per_s > 0 and prompts_done > 0:
-        eta_s = round(remaining * (tokens_generated / prompts_done) / tokens_per_s, 1)
-    if shards_done == len(states) and states:
-        state = "done"
-    elif shards_failed and not any(s in ("queued", "running") for s in states):
-        state = "failed"
-    elif "running" in states or prompts_done > 0 or shards_done > 0:
-        state = "running"
-    else:
-        state = "queued"
+    tokens_per_s = window_tokens / 60.0
 
-    done_by_src, failed_by_src = _sum_by_source(srcdone), _sum_by_source(srcfailed)
-    sources: dict[str, dict] = {}
-    for sid, per_src in shard_sources.items():
+    per_src: dict[str, dict] = {}
+    src_states: dict[str, list[str]] = defaultdict(list)
+    for sid, counts in shard_sources.items():
         st = shards.get(str(sid), "queued")
-        for name, n in per_src.items():
-            s = sources.setdefault(
+        for name, n in counts.items():
+            s = per_src.setdefault(
                 name, {"shards_total": 0, "shards_done": 0, "shards_failed": 0, "prompts_total": 0}
             )
             s["shards_total"] += 1
             s["shards_done"] += st == "done"
             s["shards_failed"] += st == "failed"
             s["prompts_total"] += n
-    for name, s in sources.items():
-        s["prompts_done"] = done_by_src.get(name, 0)
-        s["prompts_failed"] = failed_by_src.get(name, 0)
+            src_states[name].append(st)
+    done_by, failed_by, tokens_by = (
+        _sum_by_source(srcdone),
+        _sum_by_source(srcfailed),
+        _sum_by_source(srctokens),
+    )
+    for name, s in per_src.items():
+        s["prompts_done"] = done_by.get(name, 0)
+        s["prompts_failed"] = failed_by.get(name, 0)
+        s["tokens_generated"] = tokens_by.get(name, 0)
+        s["tokens_per_s"] = round(window_by_source.get(name, 0) / 60.0, 1)
+        s["eta_s"] = _eta_s(s["prompts_total"] - s["prompts_done"], s["prompts_done"], s["tokens_generated"],
+                            s["tokens_per_s"])  # fmt: skip
+        s["state"] = _state(src_states[name], s["prompts_done"])
     return {
         "run_id": run_id,
-        "state": state,
+        "state": _state(states, prompts_done),
         "shards_total": len(states),
-        "shards_done": shards_done,
-        "shards_failed": shards_failed,
+        "shards_done": states.count("done"),
+        "shards_failed": states.count("failed"),
         "prompts_total": prompts_total,
         "prompts_done": prompts_done,
-        "prompts_failed": prompts_failed,
+        "prompts_failed": sum(int(v) for v in failed.values()),
         "tokens_generated": tokens_generated,
         "tokens_per_s": round(tokens_per_s, 1),
-        "eta_s": eta_s,
-        "sources": sources,
+        "eta_s": _eta_s(prompts_total - prompts_done, prompts_done, tokens_generated, tokens_per_s),
+        "sources": per_src,
         "mix_name": rec.get("mix_name"),
         "model": rec.get("model"),
         "updated_at": now or time.time(),
@@ -115,7 +128,8 @@ def render(statuses: list[dict]) -> None:
         for name, s in sorted(st["sources"].items()):
             progress.add_task(
                 name, total=max(1, s["prompts_total"]), completed=s["prompts_done"],
-                extra=f"failed {s['prompts_failed']}, shards {s['shards_done']}/{s['shards_total']}",
+                extra=f"failed {s['prompts_failed']}, shards {s['shards_done']}/{s['shards_total']}, "
+                f"{s['tokens_per_s']} tok/s, {s['state']}",
             )  # fmt: skip
         progress.refresh()
         console.print(progress)

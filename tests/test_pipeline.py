@@ -97,6 +97,11 @@ def test_mix_of_five_formats_end_to_end(settings, settings_env, tmp_path, api):
     assert st["state"] == "done" and st["shards_done"] == st["shards_total"] and st["prompts_failed"] == 0
     assert set(st["sources"]) == {name for name, s in manifest.sources.items() if s.kept}
     assert all(s["prompts_done"] == s["prompts_total"] for s in st["sources"].values())
+    for name, s in st["sources"].items():
+        assert s["state"] == "done" and s["eta_s"] == 0.0
+        expected = sum(r["completion_tokens"] or 0 for r in rows if r["source"] == name)
+        assert s["tokens_generated"] == expected and (expected > 0) == (name != "pretok")
+    assert st["tokens_generated"] == sum(s["tokens_generated"] for s in st["sources"].values())
     # the shard_done stream has one event per shard
     events = Ledger(settings).r.xrange(Ledger(settings).events_key(res.run_id))
     done_events = [e for _, e in events if e["type"] == "shard_done"]
