@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from regen_service.storage import RunLayout
+from regen_service.storage import RunLayout, Storage
 from schemas.mix import MixSpec, parse_mix
 from schemas.records import RunManifest
 
@@ -29,15 +29,13 @@ def resolved_mix_path(layout: RunLayout) -> str:
 
 
 @lru_cache(maxsize=64)
-def _load_mix_cached(url: str, run_id: str, path: str) -> MixSpec:
-    from regen_service.storage import Storage
-
-    storage = Storage(url)
-    return parse_mix(storage.read_json(path), where=path)
+def _load_mix_cached(url: str, path: str) -> MixSpec:
+    # Keyed by the data root's URL: each shard builds its own Storage, so the object can't be the key.
+    return parse_mix(Storage(url).read_json(path), where=path)
 
 
 def load_run_mix(layout: RunLayout) -> MixSpec:
-    return _load_mix_cached(layout.storage.url, layout.run_id, resolved_mix_path(layout))
+    return _load_mix_cached(layout.storage.url, resolved_mix_path(layout))
 
 
 def load_manifest(layout: RunLayout) -> RunManifest:
