@@ -210,6 +210,8 @@ PLANTED = {
     ),
     "aux_range": (dict(cfg=_set_aux([1, 5, 11])), "aux_range", ["[11]", "0..10", "id+1"]),
     "aux_count": (dict(cfg=_set_aux([1, 5])), "aux_count", ["exactly 3"]),
+    "aux_repeat": (dict(cfg=_set_aux([2, 2, 1])), "aux_repeat", ["repeat", "[1, 5, 8]"]),
+    "aux_order": (dict(cfg=_set_aux([5, 1, 8])), "aux_order", ["not increasing"]),
     "tied": (dict(cfg=lambda c: c.update(tie_word_embeddings=True)), "tied_embeddings", ["lm_head"]),
 }
 
@@ -264,3 +266,59 @@ def test_validate_draft_real_cli_exit_codes(exported):
         regen_cmd("validate-draft", str(draft), "--target-config", str(target)), capture_output=True
     )
     assert bad.returncode == 1 and b"architecture" in bad.stdout
+
+
+def test_default_aux_layers_are_distinct_for_every_depth():
+    from regen_service.drafter import sglang_format as fmt
+
+    for n in range(4, 200):
+        ids = fmt.default_aux_inputs(n)
+        assert fmt.aux_input_problem(ids, n) is None, (n, ids)
+        if n >= 8:
+            assert ids == [2, n // 2, n - 3]  # both engines' own default wherever it is distinct
+    assert fmt.default_aux_inputs(6) == [1, 3, 5]  # [2, 3, 3] would capture two layers for an fc of three
+
+
+def test_export_for_vllm_writes_input_ids_and_sglang_refuses_it(tmp_path):
+    make_checkpoint(tmp_path / "train")
+    target = make_target(tmp_path / "target")
+    draft = tmp_path / "draft"
+    res = cli("export", str(tmp_path / "train"), "--out", str(draft), "--target-config", str(target),
+              "--engine", "vllm")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((draft / "config.json").read_text())
+    # vLLM reads the ids as captured layer inputs, unchanged
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 6, 9]
+    assert cfg["regen"] == {"engine": "vllm", "aux_layer_inputs": [2, 6, 9]}
+    ok = cli("validate-draft", str(draft), "--target-config", str(target), "--engine", "vllm", "--json")
+    assert ok.exit_code == 0, ok.output
+    bad = cli("validate-draft", str(draft), "--target-config", str(target), "--json")
+    problems = {p["code"]: p for p in json.loads(bad.output)["problems"]}
+    assert bad.exit_code == 1 and "aux_engine" in problems
+    assert "--engine sglang" in problems["aux_engine"]["fix"]
+
+
+def test_full_vocabulary_draft_carries_no_map_and_vllm_refuses_one(tmp_path):
+    t = draft_tensors()
+    t["lm_head.weight"] = torch.zeros(VOCAB, H)
+    t["d2t"] = torch.zeros(VOCAB, dtype=torch.int64)
+    t["t2d"] = torch.ones(VOCAB, dtype=torch.bool)
+    step = make_checkpoint(tmp_path / "train", tensors=t)
+    state = torch.load(step / "state.pt", weights_only=False)
+    state["draft_config"]["draft_vocab_size"] = VOCAB
+    torch.save(state, step / "state.pt")
+    target = make_target(tmp_path / "target")
+    for engine in ("sglang", "vllm"):
+        out = tmp_path / f"draft-{engine}"
+        res = cli("export", str(tmp_path / "train"), "--out", str(out), "--target-config", str(target),
+                  "--engine", engine)  # fmt: skip
+        assert res.exit_code == 0, res.output
+        assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    # the same draft with the identity map planted: vLLM fails to load it, so validate-draft refuses it
+    out = tmp_path / "draft-vllm"
+    weights = load_file(str(out / "model.safetensors"))
+    weights.update(d2t=torch.zeros(VOCAB, dtype=torch.int64), t2d=torch.ones(VOCAB, dtype=torch.bool))
+    save_file(weights, str(out / "model.safetensors"))
+    res = cli("validate-draft", str(out), "--target-config", str(target), "--engine", "vllm", "--json")
+    codes = {p["code"] for p in json.loads(res.output)["problems"]}
+    assert res.exit_code == 1 and "vocab_map_identity" in codes

@@ -46,6 +46,13 @@ _overwrite = click.option("--overwrite", is_flag=True, help="Replace a non-empty
 _keep = click.option("--keep-failed", is_flag=True, help="Keep a refused result in a temp dir to inspect.")
 _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 _dtypes = click.Choice(["bfloat16", "float16", "float32", "keep"])
+_engine = click.option(
+    "--engine",
+    type=click.Choice(["sglang", "vllm"]),
+    default="sglang",
+    show_default=True,
+    help="The engine that serves the draft: the two read eagle_aux_hidden_state_layer_ids differently.",
+)
 
 
 @main.command("export")
@@ -55,11 +62,13 @@ _dtypes = click.Choice(["bfloat16", "float16", "float32", "keep"])
     "--target-config", type=click.Path(exists=True), help="Target's config.json (or folder) to check against."
 )
 @click.option("--dtype", type=_dtypes, default="bfloat16", show_default=True, help="Float tensor dtype.")
+@_engine
 @_overwrite
 @_keep
 @_json
-def export_cmd(ckpt, out, target_config, dtype, overwrite, keep_failed, as_json):
-    """Export a trainer checkpoint (step dir, or the trainer's --out via checkpoints/latest) for SGLang."""
+def export_cmd(ckpt, out, target_config, dtype, engine, overwrite, keep_failed, as_json):
+    """Export a trainer checkpoint (step dir, or the trainer's --out via checkpoints/latest) for SGLang or
+    vLLM (--engine)."""
     from regen_service.drafter.export import ExportRefused, export_checkpoint
 
     try:
@@ -70,6 +79,7 @@ def export_cmd(ckpt, out, target_config, dtype, overwrite, keep_failed, as_json)
             dtype=dtype,
             overwrite=overwrite,
             keep_failed=keep_failed,
+            engine=engine,
         )
     except ExportRefused as e:
         _refused(e, as_json)
@@ -81,12 +91,13 @@ def export_cmd(ckpt, out, target_config, dtype, overwrite, keep_failed, as_json)
 @main.command("validate-draft")
 @click.argument("draft", type=click.Path())
 @click.option("--target-config", type=click.Path(exists=True), help="Target's config.json or its folder.")
+@_engine
 @_json
-def validate_draft_cmd(draft, target_config, as_json):
-    """Check that SGLang loads DRAFT correctly for the target; exit 1 listing every problem and its fix."""
+def validate_draft_cmd(draft, target_config, engine, as_json):
+    """Check that the engine loads DRAFT correctly for the target; exit 1 listing every problem and its fix."""
     from regen_service.drafter.validate import validate_draft
 
-    report = validate_draft(draft, _target(target_config))
+    report = validate_draft(draft, _target(target_config), engine)
     if target_config is None:
         report.add(
             "no_target",

@@ -61,8 +61,9 @@ def _load_state(step: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def build_config(draft_config: dict, aux_inputs: list[int]) -> dict:
-    """SGLang's config.json from the trainer's draft_config and the captured aux layer inputs."""
+def build_config(draft_config: dict, aux_inputs: list[int], engine: fmt.Engine = "sglang") -> dict:
+    """The draft's config.json from the trainer's draft_config and the captured aux layer inputs, with
+    the aux ids in `engine`'s convention (recorded under "regen" so validate-draft can tell them apart)."""
     missing = [k for k in fmt.REQUIRED_CONFIG_FIELDS if k not in draft_config]
     if missing:
         raise ConfigError(f"checkpoint draft_config lacks {', '.join(missing)}; the trainer must record them")
@@ -78,10 +79,11 @@ def build_config(draft_config: dict, aux_inputs: list[int]) -> dict:
     cfg.setdefault("target_hidden_size", cfg["hidden_size"])
     cfg["tie_word_embeddings"] = False
     cfg["eagle_config"] = {
-        # Training captured layer INPUTS; SGLang's config names layer OUTPUTS and adds 1.
-        "eagle_aux_hidden_state_layer_ids": fmt.aux_inputs_to_config(aux_inputs),
+        # Training captured layer INPUTS; SGLang's config names layer OUTPUTS and adds 1, vLLM does not.
+        "eagle_aux_hidden_state_layer_ids": fmt.aux_inputs_to_config(aux_inputs, engine),
         "use_aux_hidden_state": True,
     }
+    cfg["regen"] = {"engine": engine, "aux_layer_inputs": [int(i) for i in aux_inputs]}
     return cfg
 
 
@@ -152,16 +154,21 @@ def export_checkpoint(
     dtype: str = "bfloat16",
     overwrite: bool = False,
     keep_failed: bool = False,
+    engine: fmt.Engine = "sglang",
 ) -> DraftReport:
-    """Export and validate; raises ExportRefused (files removed, or kept in a temp dir) on problems."""
+    """Export for `engine` and validate; raises ExportRefused (files removed, or kept in a temp dir)."""
     step = resolve_checkpoint(ckpt)
     state = _load_state(step)
     for key in ("draft_state_dict", "draft_config", "aux_layer_ids", "target_num_layers"):
         if key not in state:
             raise ConfigError(f"{step}/state.pt lacks {key!r}: not a regen trainer checkpoint")
     tensors = {fmt.canonical_key(k): v for k, v in state["draft_state_dict"].items()}
-    tensors.pop("embed_tokens.weight", None)  # SGLang uses the target's embedding
-    cfg = build_config(dict(state["draft_config"]), list(state["aux_layer_ids"]))
+    tensors.pop("embed_tokens.weight", None)  # both engines use the target's embedding
+    cfg = build_config(dict(state["draft_config"]), list(state["aux_layer_ids"]), engine)
+    if cfg["draft_vocab_size"] == cfg["vocab_size"]:
+        # The identity map: vLLM refuses a d2t it did not allocate, SGLang reads its absence as identity.
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
     if target is None:
         # No target config given: check against what the checkpoint says it was trained for.
         target = fmt.TargetInfo(
@@ -173,7 +180,7 @@ def export_checkpoint(
     out = Path(out)
     tmp = prepare_out(out, overwrite)
     write_draft(tmp, tensors, cfg, dtype, metadata={"regen_source": str(step)})
-    report = validate_draft(tmp, target)
+    report = validate_draft(tmp, target, engine)
     finalize(tmp, out.resolve(), report, keep_failed, "export")
     report.path = str(out)
     return report

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPEC_ALGORITHM = "EAGLE3"
@@ -114,18 +114,60 @@ def expected_shapes(cfg: dict, target_hidden: int) -> dict[str, tuple[int, ...]]
     }
 
 
-# Aux layers. Training captures layer INPUTS (SGLang's default: inputs of [2, L//2, L-3]); a draft
-# config names layer OUTPUTS and SGLang captures id+1. Both conversions live here only.
+# Aux layers. Training captures layer INPUTS (hidden_states[i] of a Hugging Face model: the residual
+# stream entering layer i). The two engines read a draft config's `eagle_aux_hidden_state_layer_ids`
+# differently, so the conversions live here only:
+# - SGLang names layer OUTPUTS and captures id+1 (srt/models/llama.py `set_eagle3_layers_to_capture`:
+#   `layers_to_capture = [val + 1 for val in layer_ids]`);
+# - vLLM uses the ids as input indices unchanged (0.32: v1/worker/gpu_model_runner.py
+#   `_get_eagle3_aux_layers_from_config`, model_executor/models/interfaces.py `_maybe_add_hidden_state`
+#   captures index idx+1 after layer idx).
+# Both engines default to inputs [2, L//2, L-3] when the config names none.
+Engine = Literal["sglang", "vllm"]
+ENGINES: tuple[str, ...] = ("sglang", "vllm")
+_AUX_OFFSET = {"sglang": 1, "vllm": 0}
+
+
 def default_aux_inputs(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """[2, L//2, L-3] (both engines' default) when those are three distinct layers; for shallow targets,
+    where they collide (L = 6 gives [2, 3, 3]), three distinct layers spread over 1..L-1."""
+    if num_layers < 4:
+        raise ValueError(f"a target with {num_layers} layers has too few for three distinct aux layers")
+    base = [2, num_layers // 2, num_layers - 3]
+    if len(set(base)) == 3 and base == sorted(base):
+        return base
+    top = num_layers - 1
+    return [1, 1 + (top - 1) // 2, top]
 
 
-def aux_inputs_to_config(inputs: list[int]) -> list[int]:
-    return [int(i) - 1 for i in inputs]
+def aux_input_problem(inputs: list[int], num_layers: int) -> tuple[str, str] | None:
+    """(code, why) these captured layer inputs cannot train or serve a draft, or None when they can:
+    EAGLE-3 fuses three DISTINCT layers in increasing order, each the input of one of the target's layers."""
+    if len(inputs) != 3:
+        return "aux_count", f"{len(inputs)} aux layers {inputs}; EAGLE-3 fuses exactly 3"
+    if len(set(inputs)) != 3:
+        return (
+            "aux_repeat",
+            f"aux layers {inputs} repeat a layer: the engine captures fewer than 3 distinct ones",
+        )
+    if list(inputs) != sorted(inputs):
+        return (
+            "aux_order",
+            f"aux layers {inputs} are not increasing: the engines concatenate them in layer order",
+        )
+    # Input 0 is the embedding output, which SGLang cannot name (its ids are outputs of layers).
+    bad = [i for i in inputs if not 1 <= i <= num_layers - 1]
+    if bad:
+        return "aux_range", f"aux layers {bad} are not inputs of the target's layers 1..{num_layers - 1}"
+    return None
 
 
-def aux_config_to_inputs(config_ids: list[int]) -> list[int]:
-    return [int(i) + 1 for i in config_ids]
+def aux_inputs_to_config(inputs: list[int], engine: Engine = "sglang") -> list[int]:
+    return [int(i) - _AUX_OFFSET[engine] for i in inputs]
+
+
+def aux_config_to_inputs(config_ids: list[int], engine: Engine = "sglang") -> list[int]:
+    return [int(i) + _AUX_OFFSET[engine] for i in config_ids]
 
 
 def aux_ids(cfg: dict) -> list[int] | None:

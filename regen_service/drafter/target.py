@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from regen_service.drafter import sglang_format as fmt
 from regen_service.errors import ConfigError
 
 
@@ -20,7 +21,23 @@ def text_config(config):
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    return fmt.default_aux_inputs(num_layers)
+
+
+def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """The layer inputs to capture (the default when None); refused unless three distinct, increasing
+    inputs of the target's layers, so a draft trained here can be served with the same tensors."""
+    if num_layers < 4:
+        raise ConfigError(
+            f"the target has {num_layers} layers; EAGLE-3 needs three distinct aux layers (>= 4)"
+        )
+    ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(num_layers)
+    problem = fmt.aux_input_problem(ids, num_layers)
+    if problem is not None:
+        raise ConfigError(
+            f"aux_layer_ids: {problem[1]}; set three distinct increasing ids in 1..{num_layers - 1}"
+        )
+    return ids
 
 
 class HFTarget:
@@ -49,10 +66,7 @@ class HFTarget:
         self.hidden_size: int = tc.hidden_size
         self.vocab_size: int = tc.vocab_size
         self.text_config = tc
-        ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(self.num_layers)
-        if len(ids) != 3 or not all(0 <= i <= self.num_layers for i in ids):
-            raise ConfigError(f"aux_layer_ids {ids}: need three layer input indices in 0..{self.num_layers}")
-        self.aux_layer_ids = ids
+        self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, self.num_layers)
 
     @property
     def embed_weight(self) -> torch.Tensor:

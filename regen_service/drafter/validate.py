@@ -1,6 +1,7 @@
-"""Is this draft directory something SGLang loads correctly? Every way it could load silently wrong.
+"""Is this draft directory something the serving engine (SGLang, or vLLM) loads correctly? Every way it
+could load silently wrong.
 
-`validate_draft(dir, target)` returns a report with ALL problems found (code, message, fix) and a
+`validate_draft(dir, target, engine)` returns a report with ALL problems found (code, message, fix) and a
 summary; it reads only the safetensors header plus the small `d2t`/`t2d` tensors, with numpy, so it
 runs anywhere in a second. Callers: `regen validate-draft`, `regen export`, `regen convert-draft` and
 the `regen launch-sglang` preflight. What SGLang expects is defined in sglang_format.py, not here.
@@ -63,8 +64,10 @@ def _read_small_tensor(path: Path, entry: dict):
         return np.frombuffer(f.read(e - b), dtype=dt).reshape(entry["shape"])
 
 
-def validate_draft(draft_dir: str | Path, target: fmt.TargetInfo | None = None) -> DraftReport:
-    """All problems that would make SGLang refuse this draft or, worse, load it silently wrong."""
+def validate_draft(
+    draft_dir: str | Path, target: fmt.TargetInfo | None = None, engine: fmt.Engine = "sglang"
+) -> DraftReport:
+    """All problems that would make `engine` refuse this draft or, worse, load it silently wrong."""
     d = Path(draft_dir)
     rep = DraftReport(path=str(d))
     cfg_path = d / fmt.CONFIG_FILE
@@ -96,12 +99,12 @@ def validate_draft(draft_dir: str | Path, target: fmt.TargetInfo | None = None) 
 
     _check_config(rep, cfg, target)
     tensors = {fmt.canonical_key(k): v for k, v in header.items()}
-    _check_keys(rep, cfg, tensors)
+    _check_keys(rep, cfg, tensors, engine)
     if all(k in cfg for k in fmt.REQUIRED_CONFIG_FIELDS):
         _check_shapes(rep, cfg, tensors, target)
         _check_vocab_map(rep, cfg, header, owner, target)
-    _check_aux(rep, cfg, target)
-    rep.summary = _summary(cfg, header, files, target)
+    _check_aux(rep, cfg, target, engine)
+    rep.summary = _summary(cfg, header, files, target, engine)
     return rep
 
 
@@ -152,7 +155,7 @@ def _check_config(rep: DraftReport, cfg: dict, target: fmt.TargetInfo | None) ->
         )
 
 
-def _check_keys(rep: DraftReport, cfg: dict, tensors: dict) -> None:
+def _check_keys(rep: DraftReport, cfg: dict, tensors: dict, engine: fmt.Engine) -> None:
     known = set(fmt.REQUIRED_KEYS) | set(fmt.OPTIONAL_KEYS)
     unknown = sorted(k for k in tensors if k not in known)
     if unknown:
@@ -173,8 +176,20 @@ def _check_keys(rep: DraftReport, cfg: dict, tensors: dict) -> None:
             "and skips it silently",
             'set "bias": true in config.json (or drop fc.bias if it is all zeros)',
         )
+    # A draft over the whole target vocabulary needs no id map: vLLM then builds none and refuses a
+    # `d2t` tensor at load (model_executor/models/llama_eagle3.py); SGLang reads an absent map as identity.
+    identity = cfg.get("draft_vocab_size") is not None and cfg.get("draft_vocab_size") == cfg.get(
+        "vocab_size"
+    )
+    if identity and engine == "vllm" and ("d2t" in tensors or "t2d" in tensors):
+        rep.add(
+            "vocab_map_identity",
+            "draft_vocab_size equals vocab_size, so vLLM builds no draft-to-target map and fails to load "
+            "the d2t/t2d tensors this draft carries",
+            "drop d2t and t2d (`regen export --engine vllm` does), or train with a smaller draft_vocab_size",
+        )
     for key in fmt.REQUIRED_KEYS:
-        if key in tensors:
+        if key in tensors or (identity and key in ("d2t", "t2d")):
             continue
         if key == "d2t":
             rep.add(
@@ -284,7 +299,7 @@ def _check_vocab_map(rep, cfg: dict, header: dict, owner: dict, target: fmt.Targ
                 )
 
 
-def _check_aux(rep: DraftReport, cfg: dict, target: fmt.TargetInfo | None) -> None:
+def _check_aux(rep: DraftReport, cfg: dict, target: fmt.TargetInfo | None, engine: fmt.Engine) -> None:
     eagle = cfg.get("eagle_config") or {}
     ids = fmt.aux_ids(cfg)
     if eagle.get("use_aux_hidden_state") is False:
@@ -293,35 +308,45 @@ def _check_aux(rep: DraftReport, cfg: dict, target: fmt.TargetInfo | None) -> No
             "eagle_config.use_aux_hidden_state is false: the target would not capture the aux layers",
             'set "use_aux_hidden_state": true',
         )
+    exported_for = (cfg.get("regen") or {}).get("engine")
+    if ids is not None and exported_for in fmt.ENGINES and exported_for != engine:
+        rep.add(
+            "aux_engine",
+            f"config.json was exported for {exported_for}, whose aux-layer ids mean something else than "
+            f"{engine}'s (SGLang captures the input of layer id+1, vLLM the input of layer id): served by "
+            f"{engine}, the draft would read other layers than it was trained on",
+            f"export the checkpoint again with `regen export CKPT --out DIR --engine {engine}`",
+        )
     if ids is None:
         rep.add(
             "aux_default",
-            "eagle_config.eagle_aux_hidden_state_layer_ids is not set: SGLang captures the inputs of layers "
-            "[2, L//2, L-3]; fine only if training captured exactly those",
-            "write the ids used in training (config convention: layer outputs = captured inputs - 1)",
+            "eagle_config.eagle_aux_hidden_state_layer_ids is not set: the engine captures the inputs of "
+            "layers [2, L//2, L-3]; fine only if training captured exactly those",
+            "write the ids used in training (`regen export` writes them in the engine's convention)",
             severity="warning",
         )
         return
-    if len(ids) != 3:
-        rep.add(
-            "aux_count",
-            f"eagle_aux_hidden_state_layer_ids has {len(ids)} ids {ids}; EAGLE-3 fuses exactly 3 layers",
-            "write the three ids used in training",
-        )
+    inputs = fmt.aux_config_to_inputs(ids, engine)
+    n = target.num_layers if target is not None else max(inputs) + 1
+    problem = fmt.aux_input_problem(inputs, n)
+    if problem is None:
+        return
+    code, why = problem
+    offset = inputs[0] - ids[0]
+    if code == "aux_range":
+        # Said in the config's own terms: that is the file the operator edits.
+        lo, hi = 1 - offset, n - 1 - offset
+        bad = [i for i in ids if not lo <= i <= hi]
+        reads = "captures the input of layer id+1" if engine == "sglang" else "captures the input of layer id"
+        why = f"aux layer ids {bad} are outside {lo}..{hi}: {engine} {reads}, one of the target's {n} layers"
+    fix = "write the three distinct, increasing ids used in training"
     if target is not None:
-        n = target.num_layers
-        bad = [i for i in ids if not 0 <= i <= n - 2]
-        if bad:
-            rep.add(
-                "aux_range",
-                f"aux layer ids {bad} are outside 0..{n - 2}: config ids are layer OUTPUTS and SGLang "
-                f"captures the input of layer id+1, which must be one of the target's {n} layers",
-                f"use config ids = captured layer inputs - 1 (default for {n} layers: "
-                f"{fmt.aux_inputs_to_config(fmt.default_aux_inputs(n))})",
-            )
+        default = fmt.aux_inputs_to_config(fmt.default_aux_inputs(n), engine)
+        fix += f" (the default for {n} layers is {default} in {engine}'s convention)"
+    rep.add(code, f"eagle_aux_hidden_state_layer_ids {ids}: {why}", fix)
 
 
-def _summary(cfg: dict, header: dict, files: list[Path], target: fmt.TargetInfo | None) -> dict:
+def _summary(cfg: dict, header: dict, files: list[Path], target: fmt.TargetInfo | None, engine: str) -> dict:
     import math
 
     ids = fmt.aux_ids(cfg)
@@ -338,7 +363,8 @@ def _summary(cfg: dict, header: dict, files: list[Path], target: fmt.TargetInfo 
         "vocab_size": cfg.get("vocab_size"),
         "draft_vocab_size": cfg.get("draft_vocab_size"),
         "aux_layer_ids_config": ids,
-        "aux_layer_inputs": fmt.aux_config_to_inputs(ids) if ids is not None else None,
+        "aux_layer_inputs": fmt.aux_config_to_inputs(ids, engine) if ids is not None else None,
+        "engine": engine,
         "parameters": params,
         "dtypes": sorted({e["dtype"] for e in header.values()}),
         "file_bytes": sum(f.stat().st_size for f in files),
@@ -360,7 +386,7 @@ def format_report(rep: DraftReport) -> str:
         )
         lines.append(f"  vocab {s['vocab_size']} (target), draft vocab {s['draft_vocab_size']}")
         lines.append(
-            f"  aux layers: config ids (outputs) {s['aux_layer_ids_config']} = captured inputs "
+            f"  aux layers ({s['engine']}): config ids {s['aux_layer_ids_config']} = captured inputs "
             f"{s['aux_layer_inputs']}"
         )
         lines.append(
