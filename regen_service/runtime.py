@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import Future
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -72,6 +73,7 @@ class WorkerConfig(BaseModel):
     api_key: SecretStr | None = None
     max_inflight_per_endpoint: int | None = Field(default=None, ge=1)
     stream: bool = True
+    engine: Literal["auto", "sglang", "vllm"] = "auto"
     stall_timeout_s: float = Field(default=60.0, gt=0)
     max_attempts: int = Field(default=6, ge=1)
     flush_rows: int = Field(default=64, ge=1)
@@ -85,6 +87,7 @@ class WorkerConfig(BaseModel):
             api_key=self.api_key,
             max_inflight_per_endpoint=self.max_inflight_per_endpoint,
             stream=self.stream,
+            engine=self.engine,
             stall_timeout_s=self.stall_timeout_s,
             max_attempts=self.max_attempts,
         )

@@ -57,7 +57,7 @@ def test_training_raises_accept_length(settings, tmp_path):
     ckpt = load_latest(tmp_path / "out")
     assert set(REQUIRED_KEYS) <= set(ckpt)
     assert set(ckpt["draft_state_dict"]) == SGLANG_KEYS
-    assert ckpt["aux_layer_ids"] == [2, 2, 1] and ckpt["target_num_layers"] == 4
+    assert ckpt["aux_layer_ids"] == [1, 2, 3] and ckpt["target_num_layers"] == 4  # distinct (issue 9)
     assert ckpt["draft_config"]["vocab_size"] == 6000 and ckpt["draft_config"]["draft_vocab_size"] == 512
     assert sorted(map(tuple, ckpt["consumed_shards"])) == [("run-a", i) for i in range(3)]
     assert ckpt["in_progress"] is None and ckpt["train_config"]["epochs"] == 4

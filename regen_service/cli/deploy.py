@@ -1,5 +1,5 @@
 """CLI commands that get a draft from a checkpoint onto a server: export, validate-draft, convert-draft,
-launch-sglang, bench-spec. Thin: the logic lives in regen_service.drafter and regen_service.deploy,
+launch-sglang, launch-vllm, bench-spec. Thin: the logic lives in regen_service.drafter and regen_service.deploy,
 imported inside each command so `regen --help` starts without torch."""
 
 from __future__ import annotations
@@ -202,8 +202,71 @@ def launch_sglang_cmd(
     os.execvp(launch.argv[0], launch.argv)
 
 
+@main.command("launch-vllm")
+@click.option("--target", required=True, help="Target model directory (its config.json checks the draft).")
+@click.option("--served-model-name", help="Name the server answers to [default: the target folder's name].")
+@click.option(
+    "--draft", type=click.Path(), help="EAGLE-3 draft directory (exported --engine vllm); validated."
+)
+@click.option("--spec-tokens", type=int, default=3, show_default=True, help="num_speculative_tokens")
+@click.option(
+    "--hidden-states",
+    "hidden_states_dir",
+    type=click.Path(file_okay=False),
+    help="Serve the trainer's target states (regen train --target-backend vllm), written to this folder.",
+)
+@click.option("--aux-layers", help="Captured layer inputs with --hidden-states, e.g. 2,30,58 [default rule].")
+@click.option("--tp", type=int, default=1, show_default=True, help="--tensor-parallel-size")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--max-model-len", type=int)
+@click.option("--python", "python_exe", help="The engine environment's python [default: this one].")
+@click.option("--extra", multiple=True, help="Extra vLLM argument (repeatable; shell-split).")
+@click.option("--print", "print_only", is_flag=True, help="Print the command instead of running it.")
+def launch_vllm_cmd(target, served_model_name, draft, spec_tokens, hidden_states_dir, aux_layers, tp, port,
+                    host, max_model_len, python_exe, extra, print_only):  # fmt: skip
+    """Launch vLLM's OpenAI server for the target: plain, with an EAGLE-3 draft (validated for vLLM), or
+    capturing the trainer's hidden states. The API key comes from REGEN_ENDPOINT_API_KEY and is never printed."""
+    import shlex
+
+    from pydantic import ValidationError
+
+    from regen_service.deploy.launch import DraftPreflightError, api_key_from_env
+    from regen_service.deploy.launch_vllm import VllmLaunchSpec, build_vllm_launch
+    from regen_service.drafter.validate import format_report
+
+    try:
+        layers = [int(x) for x in aux_layers.split(",")] if aux_layers else None
+    except ValueError:
+        raise click.UsageError(
+            f"--aux-layers {aux_layers!r}: give comma-separated layer numbers, e.g. 2,30,58"
+        ) from None
+    try:
+        spec = VllmLaunchSpec(
+            target=target, served_model_name=served_model_name, draft=draft, num_speculative_tokens=spec_tokens,
+            hidden_states_dir=hidden_states_dir, aux_layer_ids=layers, tp=tp, host=host, port=port,
+            max_model_len=max_model_len, api_key=api_key_from_env(),
+            extra=[a for e in extra for a in shlex.split(e)], **({"python": python_exe} if python_exe else {}),
+        )  # fmt: skip
+        launch = build_vllm_launch(spec)
+    except ValidationError as e:
+        raise click.UsageError(
+            "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        ) from None
+    except DraftPreflightError as e:
+        click.echo(format_report(e.report), err=True)
+        raise click.ClickException(f"{e}. Fix the draft (see above) and run again.") from None
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if print_only:
+        click.echo(launch.shell())
+        return
+    click.echo(f"exec: {launch.shell()}", err=True)
+    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
 @main.command("bench-spec")
-@click.option("--endpoint", required=True, help="Speculative SGLang server base URL.")
+@click.option("--endpoint", required=True, help="Speculative SGLang or vLLM server base URL.")
 @click.option("--baseline", help="Server without speculation, for the speed-up.")
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--concurrency", multiple=True, type=int, default=(1,), show_default=True, help="Repeatable.")

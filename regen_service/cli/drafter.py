@@ -35,7 +35,25 @@ from regen_service.cli.base import main
     "--consumer", default=None, help="Consumer name in the group (default: derived from host and --out)."
 )
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer, device) -> None:
+@click.option(
+    "--target-backend",
+    type=click.Choice(["hf", "vllm"]),
+    default=None,
+    help="target states from a local HF copy, or from a vLLM engine holding the target [config: hf]",
+)
+@click.option("--target-endpoint", default=None, help="the vLLM engine's URL (--target-backend vllm)")
+def train_cmd(
+    run_id,
+    target_path,
+    out_dir,
+    follow,
+    config_path,
+    group,
+    consumer,
+    device,
+    target_backend,
+    target_endpoint,
+) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
     from regen_service.drafter.config import TrainConfig
     from regen_service.drafter.runner import train_from_run
@@ -45,7 +63,7 @@ def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = TrainConfig.load(config_path)
+        cfg = TrainConfig.load(config_path, target_backend=target_backend, target_endpoint=target_endpoint)
         summary = train_from_run(
             settings,
             run_id,

@@ -99,13 +99,20 @@ def read_api_key(env_var: str, key_file: str | None) -> str | None:
     help="file holding the endpoints' API key (beats --api-key-env)",
 )
 @click.option("--no-stream", is_flag=True, help="use non-streaming requests")
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "sglang", "vllm"]),
+    default="auto",
+    show_default=True,
+    help="what serves the endpoints: detected from their info paths, or forced (behind a proxy)",
+)
 @click.option("--stall-timeout-s", type=float, default=60.0, show_default=True)
 @click.option("--max-attempts", type=int, default=6, show_default=True)
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 @click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
-def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_key_file, no_stream,
+def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_key_file, no_stream, engine,
            stall_timeout_s, max_attempts, metrics_port, hostname) -> None:  # fmt: skip
-    """Run a Celery worker that answers shards against the given SGLang endpoints."""
+    """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
 
     from regen_service.runtime import WorkerConfig
@@ -118,7 +125,7 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
         config = WorkerConfig(
             endpoints=list(endpoints), num_shards_in_parallel=concurrency,
             api_key=read_api_key(api_key_env, api_key_file), max_inflight_per_endpoint=max_inflight_per_endpoint,
-            stream=not no_stream, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
+            stream=not no_stream, engine=engine, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
             metrics_port=metrics_port, hostname=node,
         )  # fmt: skip
     except ValueError as e:

@@ -7,13 +7,19 @@ this config into live endpoints is pool.py's.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    endpoints: list[str] = Field(min_length=1, description="SGLang base URLs, e.g. http://gpu-1:30000")
+    endpoints: list[str] = Field(
+        min_length=1, description="SGLang or vLLM base URLs, e.g. http://gpu-1:30000"
+    )
+    # auto: detected per endpoint at start (engines.py); force one when a proxy hides the info paths
+    engine: Literal["auto", "sglang", "vllm"] = "auto"
     # Sent as `Authorization: Bearer`; SecretStr keeps it out of repr() and logs.
     api_key: SecretStr | None = None
 

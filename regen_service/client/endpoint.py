@@ -1,7 +1,8 @@
-"""One SGLang endpoint: health and model checks, limits, one request attempt, and its circuit breaker.
+"""One SGLang or vLLM endpoint: health, engine and model checks, limits, one request attempt, its breaker.
 
-`check` runs /health, the model check (/get_model_info, /v1/models, server_info's served name) and
-reads limits from /get_server_info. `send` makes one attempt on either API and returns a Completion
+`check` runs /health, finds the engine (engines.py), the model check (/get_model_info, /v1/models) and
+reads SGLang's limits from /get_server_info (vLLM reports none). `send` makes one attempt on either API
+(token-exact: SGLang's /generate, vLLM's /v1/completions with token ids) and returns a Completion
 or raises a classified error (http.py). The breaker ejects the endpoint after
 `breaker_failure_threshold` consecutive retryable failures, or at once on a refused connection, and
 probes /health with exponential backoff; a probe that passes re-runs `check` before the endpoint
@@ -24,6 +25,13 @@ from yarl import URL
 from regen_service.client import metrics
 from regen_service.client.auth import auth_headers, scrub
 from regen_service.client.config import PoolConfig
+from regen_service.client.engines import (
+    VLLM_COMPLETIONS_PATH,
+    CompletionsStream,
+    completions_from_body,
+    engine_from,
+    vllm_completions_body,
+)
 from regen_service.client.http import (
     Completion,
     ConnectionRefusedRetryable,
@@ -35,6 +43,7 @@ from regen_service.client.http import (
 from regen_service.client.streams import (
     ChatStream,
     GenerateStream,
+    Timer,
     chat_message_completion,
     generate_completion_from_body,
     read_sse,
@@ -67,6 +76,8 @@ class Endpoint:
         self.limit = config.max_inflight_per_endpoint or config.default_inflight_per_endpoint
         self._generate_url = f"{url}/generate"
         self._chat_url = f"{url}/v1/chat/completions"
+        # "sglang" | "vllm": forced by the config, else detected by `check` (engines.py)
+        self.engine: str | None = None if config.engine == "auto" else config.engine
         self.context_length: int | None = None
         self.max_input_len: int | None = None
         self.server_info: dict = {}
@@ -108,6 +119,7 @@ class Endpoint:
             "stopped": self.stopped_reason,
             "inflight": self.inflight,
             "limit": self.limit,
+            "engine": self.engine,
             "context_length": self.context_length,
             "errors": dict(self.errors),
         }
@@ -178,6 +190,8 @@ class Endpoint:
         """Health, served model and limits. Raises EndpointTerminalError (and stops) on a wrong model or key."""
         try:
             await self._get("/health")
+            if self.config.engine == "auto":
+                self.engine = await self._detect_engine()
             served = await self._served_models()
             if served and not any(_same_model(s, target_model) for s in served):
                 raise WrongModelError(
@@ -206,7 +220,23 @@ class Endpoint:
                 self.context_length = self.context_length or m.get("max_model_len")
         return {s for s in served if s}
 
+    async def _detect_engine(self) -> str:
+        info = await self._get("/get_server_info") or await self._get("/server_info")
+        if info is not None:
+            return engine_from(info, None, None, self.label)
+        return engine_from(None, await self._get("/version"), await self._get("/v1/models"), self.label)
+
     async def _read_limits(self) -> None:
+        if self.engine == "vllm":
+            # vLLM reports no max_num_seqs (0.32: not in any info path or /metrics); its scheduler queues
+            # what exceeds it, so the configured (or default) limit only decides how many wait there.
+            log.info(
+                "%s is vLLM: in-flight limit %d (vLLM reports no max_num_seqs; set "
+                "--max-inflight-per-endpoint to about twice the server's --max-num-seqs)",
+                self.label,
+                self.limit,
+            )
+            return
         info: dict = {}
         for path in ("/get_server_info", "/server_info"):
             body = await self._get(path)
@@ -283,8 +313,11 @@ class Endpoint:
         if prompt_len is not None:
             self._check_length(prompt_len)
         url = self._generate_url if api == "generate" else self._chat_url
+        if api == "generate" and self.engine == "vllm":
+            api, url = "completions", self.url + VLLM_COMPLETIONS_PATH
+            payload = vllm_completions_body(payload, self._target)
         body = {**payload, "stream": stream}
-        if stream and api == "chat":
+        if stream and api != "generate":
             body["stream_options"] = {"include_usage": True}
         coro = self._stream(url, api, body) if stream else self._once(url, api, body)
         try:
@@ -328,22 +361,24 @@ class Endpoint:
             status, raw = resp.status, await resp.read()
         raise_for_status(status, raw, self.label)
         data = _json_body(raw)
-        c = (
-            generate_completion_from_body(data, self.label)
-            if api == "generate"
-            else chat_message_completion(data, self.label)
-        )
+        if api == "generate":
+            c = generate_completion_from_body(data, self.label)
+        elif api == "completions":
+            c = completions_from_body(data, self.label)
+        else:
+            c = chat_message_completion(data, self.label)
         c.latency_s = time.monotonic() - t0
         if c.completion_tokens and c.latency_s > 0:
             c.decode_tok_s = c.completion_tokens / c.latency_s
         return c
 
     async def _stream(self, url: str, api: str, body: dict) -> Completion:
-        acc = (
-            GenerateStream(self.label, self.config.incremental_stream)
-            if api == "generate"
-            else ChatStream(self.label)
-        )
+        if api == "generate":
+            acc = GenerateStream(self.label, self.config.incremental_stream)
+        elif api == "completions":
+            acc = CompletionsStream(self.label, Timer())
+        else:
+            acc = ChatStream(self.label)
         async with self._data.post(
             url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
         ) as resp:

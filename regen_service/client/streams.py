@@ -139,7 +139,7 @@ async def _drain(reader, loop, limit_s: float = 1.0) -> None:
         pass
 
 
-class _Timer:
+class Timer:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.first: float | None = None
@@ -167,7 +167,7 @@ class GenerateStream:
         self.text = ""
         self.ids: list[int] = []
         self.meta: dict = {}
-        self.timer = _Timer()
+        self.timer = Timer()
 
     def feed(self, event: dict) -> None:
         if "error" in event:
@@ -227,7 +227,7 @@ class ChatStream:
         self.finish: str | None = None
         self.matched_stop: object = None
         self.usage: dict = {}
-        self.timer = _Timer()
+        self.timer = Timer()
 
     def feed(self, chunk: dict) -> None:
         if "error" in chunk:
@@ -239,8 +239,10 @@ class ChatStream:
             if delta.get("content"):
                 self.content.append(delta["content"])
                 self.timer.token()
-            if delta.get("reasoning_content"):
-                self.reasoning.append(delta["reasoning_content"])
+            # SGLang says reasoning_content; vLLM 0.32 says reasoning (its protocol renamed the field).
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                self.reasoning.append(reasoning)
                 self.timer.token()
             for tc in delta.get("tool_calls") or []:
                 self.timer.token()
@@ -315,7 +317,7 @@ def chat_message_completion(body: dict, endpoint: str) -> Completion:
     ]
     return chat_completion(
         msg.get("content"),
-        msg.get("reasoning_content"),
+        msg.get("reasoning_content") or msg.get("reasoning"),
         calls or None,
         finish,
         choices[0].get("matched_stop"),

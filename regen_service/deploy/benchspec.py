@@ -1,12 +1,14 @@
 """Measure what a speculative endpoint really buys: accept length, tokens/s, speed-up over a baseline.
 
-Sends the same prompts to the speculative endpoint and (optionally) a baseline at each concurrency.
-`{"prompt": ...}` rows go to native `/generate` (its meta_info carries `spec_verify_ct` and
-`spec_accept_length` per request); `{"messages": [...]}` rows go to `/v1/chat/completions` (the server
-applies the chat template; no per-request accept length there, the server-wide one still counts).
-The server's `avg_spec_accept_length` comes from `internal_states[i]` of `/server_info` (older builds:
-`/get_server_info`). An accept length near 1.0 means the draft contributes nothing: `diagnose` lists
-the likely causes. Output formatting is the CLI's job.
+Sends the same prompts to the speculative endpoint and (optionally) a baseline at each concurrency, on
+SGLang or vLLM (found as the worker finds it, client/engines.py). On SGLang, `{"prompt": ...}` rows go to
+native `/generate` (its meta_info carries `spec_verify_ct` and `spec_accept_length` per request) and the
+server's `avg_spec_accept_length` comes from `internal_states[i]` of `/server_info` (older builds:
+`/get_server_info`). On vLLM they go to `/v1/completions`, and the accept length of the run is
+1 + accepted / drafts from the growth of `vllm:spec_decode_num_accepted_tokens_total` and
+`vllm:spec_decode_num_drafts_total` on `/metrics` over the run (vLLM 0.32 `v1/spec_decode/metrics.py`).
+`{"messages": [...]}` rows go to `/v1/chat/completions` on both. An accept length near 1.0 means the
+draft contributes nothing: `diagnose` lists the likely causes. Output formatting is the CLI's job.
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from regen_service.errors import ConfigError
+from regen_service.errors import ConfigError, RegenError
 
 COLLAPSED_ACCEPT_LENGTH = 1.05
 LIKELY_CAUSES = (
-    "the server was started with `--speculative-algorithm EAGLE` instead of `EAGLE3`: the draft gets only the "
-    "final hidden state and fc is skipped (launch it with `regen launch-sglang`, which refuses that)",
+    "the server was started with `--speculative-algorithm EAGLE` (vLLM: method eagle) instead of `EAGLE3` "
+    "(eagle3): the draft gets only the final hidden state and fc is skipped (launch it with "
+    "`regen launch-sglang`, which refuses that)",
     "checkpoint keys the loader skipped, e.g. `layers.0.*` (speculators naming): the draft layer is random; "
     "run `regen validate-draft DIR --target-config TARGET` (and `regen convert-draft` to fix the names)",
     "missing `d2t`: draft ids are read as the first N target ids; `regen validate-draft` reports it",
     "auxiliary layers differ from training (eagle_aux_hidden_state_layer_ids vs the layers captured when "
-    "the draft was trained); compare them in `regen validate-draft`'s summary",
+    "the draft was trained; SGLang and vLLM read those ids differently): run `regen validate-draft DIR "
+    "--engine sglang|vllm` and re-export with `regen export --engine` for the engine that serves it",
 )
 
 
@@ -103,7 +107,48 @@ def server_accept_length(info: dict) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-async def _one(client: httpx.AsyncClient, p: Prompt, max_new_tokens: int) -> tuple[int, dict]:
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def prometheus_total(text: str, name: str) -> float | None:
+    """The sum of a counter over all its label sets in Prometheus text format (None: not exported)."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+async def vllm_spec_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """(drafts, accepted tokens) so far on a vLLM server, or None when it runs without a draft."""
+    r = await client.get("/metrics")
+    if r.status_code != 200:
+        return None
+    drafts, accepted = prometheus_total(r.text, VLLM_DRAFTS), prometheus_total(r.text, VLLM_ACCEPTED)
+    return None if drafts is None or accepted is None else (drafts, accepted)
+
+
+async def detect_engine(client: httpx.AsyncClient, label: str) -> str:
+    from regen_service.client.engines import engine_from
+
+    async def body(path: str) -> bytes | None:
+        r = await client.get(path)
+        return r.content if r.status_code == 200 else None
+
+    info = await body("/get_server_info") or await body("/server_info")
+    if info is not None:
+        return engine_from(info, None, None, label)
+    return engine_from(None, await body("/version"), await body("/v1/models"), label)
+
+
+async def _one(client: httpx.AsyncClient, p: Prompt, max_new_tokens: int, engine: str) -> tuple[int, dict]:
+    if p.prompt is not None and engine == "vllm":
+        body = {"prompt": p.prompt, "max_tokens": max_new_tokens, "temperature": 0}
+        r = await client.post("/v1/completions", json=body)
+        r.raise_for_status()
+        return int((r.json().get("usage") or {}).get("completion_tokens") or 0), {}
     if p.prompt is not None:
         body = {"text": p.prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
         r = await client.post("/generate", json=body)
@@ -138,19 +183,31 @@ async def run_once(
     headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
+        try:
+            engine = await detect_engine(client, url)
+        except httpx.HTTPError as e:
+            raise ConfigError(f"{url} does not answer ({e}); is the server up?") from None
+        except RegenError as e:
+            raise ConfigError(str(e)) from None
         sem = asyncio.Semaphore(concurrency)
 
         async def guarded(p: Prompt):
             async with sem:
                 try:
-                    return await _one(client, p, max_new_tokens)
+                    return await _one(client, p, max_new_tokens, engine)
                 except httpx.HTTPError as e:
                     return e
 
+        before = await vllm_spec_counters(client) if engine == "vllm" else None
         start = time.perf_counter()
         outcomes = await asyncio.gather(*(guarded(p) for p in prompts))
         wall = time.perf_counter() - start
-        server_accept = await fetch_server_accept(client)
+        if engine == "vllm":
+            after = await vllm_spec_counters(client)
+            drafts = after[0] - before[0] if before and after else 0
+            server_accept = round(1 + (after[1] - before[1]) / drafts, 4) if drafts else None
+        else:
+            server_accept = await fetch_server_accept(client)
     done = [o for o in outcomes if not isinstance(o, Exception)]
     if not done:
         raise ConfigError(f"every request to {url} failed (first: {outcomes[0]!r}); is the server up?")
@@ -181,9 +238,10 @@ def diagnose(report: BenchReport) -> None:
     if value is None:
         report.collapsed = True
         report.diagnosis = [
-            "the endpoint reports no speculative metrics (no spec_verify_ct in meta_info, no "
-            "avg_spec_accept_length in /server_info): is it running with a draft? Launch it with "
-            "`regen launch-sglang --draft DIR`"
+            "the endpoint reports no speculative metrics (SGLang: no spec_verify_ct in meta_info, no "
+            "avg_spec_accept_length in /server_info; vLLM: no vllm:spec_decode_* counters on /metrics): is it "
+            "running with a draft? Launch it with `regen launch-sglang --draft DIR` (SGLang) or with "
+            '--speculative-config \'{"method": "eagle3", ...}\' (vLLM)'
         ]
     elif value <= COLLAPSED_ACCEPT_LENGTH:
         report.collapsed = True

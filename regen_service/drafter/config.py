@@ -8,9 +8,10 @@ override. What the fields mean is in docs/training.md.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from regen_service.errors import ConfigError
 
@@ -28,8 +29,14 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int = Field(default=32000, ge=1)
     vocab_shards: int = Field(default=1, ge=1)
     vocab_tokens: int = Field(default=0, ge=0)
-    # target: layer INPUT indices to capture (SGLang's convention); None = [2, L//2, L-3]
+    # target: layer INPUT indices to capture; None = [2, L//2, L-3] (three distinct layers if those collide)
     aux_layer_ids: list[int] | None = None
+    # where target states come from: a local Hugging Face copy ("hf", small targets), or a vLLM engine that
+    # holds the target with tensor/expert parallelism ("vllm": `regen launch-vllm --hidden-states DIR`)
+    target_backend: Literal["hf", "vllm"] = "hf"
+    target_endpoint: str | None = None  # the vLLM server's base URL (target_backend vllm)
+    target_num_parallel_requests: int = Field(default=8, ge=1)  # sequences in flight to the engine
+    target_request_timeout_s: float = Field(default=600.0, gt=0)
     # draft shapes; None = the target's
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
@@ -55,6 +62,15 @@ class TrainConfig(BaseModel):
     # stream: how long another consumer's pending shard must sit idle before we take it over
     claim_idle_s: float = Field(default=600.0, gt=0)
     poll_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _endpoint_for_engine(self) -> TrainConfig:
+        if self.target_backend == "vllm" and not self.target_endpoint:
+            raise ValueError(
+                "target_backend vllm needs target_endpoint (the vLLM server's URL, e.g. http://127.0.0.1:8000; "
+                "start it with `regen launch-vllm --target PATH --hidden-states DIR`)"
+            )
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None, **overrides) -> TrainConfig:

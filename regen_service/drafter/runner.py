@@ -6,7 +6,8 @@ that shard and trains on its stride share (rank::world), all ranks running the s
 0 over the first `vocab_shards` shards (or `vocab_tokens` tokens), broadcast, and frozen. Only rank
 0 writes checkpoints, and acks stream entries after the checkpoint listing them exists; a restart
 resumes from `latest` (including the batch position inside a shard when checkpoint_every_steps is
-set). Target states come from target.HFTarget; serving the target elsewhere is left to others.
+set). Target states come from target.HFTarget (a local copy) or engine_target.VllmTarget (a vLLM engine
+holding the target), as `target_backend` says.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ from regen_service.settings import Settings
 from regen_service.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+def make_target(path: str, cfg: TrainConfig, device):
+    """The backend that gives target states: a local HF copy, or the vLLM engine holding the target."""
+    if cfg.target_backend == "vllm":
+        from regen_service.drafter.engine_target import VllmTarget
+
+        return VllmTarget(
+            path,
+            cfg.target_endpoint,
+            device,
+            cfg.aux_layer_ids,
+            num_parallel_requests=cfg.target_num_parallel_requests,
+            request_timeout_s=cfg.target_request_timeout_s,
+        )
+    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids)
 
 
 def train_from_run(
@@ -62,7 +79,7 @@ class _Run:
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
-        self.target = HFTarget(target_path, ctx.device, aux_layer_ids=cfg.aux_layer_ids)
+        self.target = make_target(target_path, cfg, ctx.device)
         self.target_path = target_path
         self._renderer = None
         ckpt = load_latest(self.out)
@@ -167,6 +184,7 @@ class _Run:
     def _close(self, summary: dict) -> dict:
         if self.feed is not None:
             self.feed.close()
+        self.target.close()
         return summary
 
     def _build_vocab(self, first: list[ShardRef], cache: dict):

@@ -88,3 +88,6 @@ class HFTarget:
         return aux, out.logits.argmax(-1)
 
     __call__ = forward
+
+    def close(self) -> None:
+        """Nothing to release (the engine backend closes its connections)."""
