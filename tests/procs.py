@@ -7,6 +7,7 @@ real CLI, so tests exercise what operators run.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,11 +17,13 @@ from regen_service.localproc import free_port, regen_cmd, stop, wait_http
 from regen_service.localproc import spawn as _spawn
 
 __all__ = [
+    "engine_python",
     "free_port",
     "regen_cmd",
     "sim_server",
     "spawn",
     "stop",
+    "vllm_server",
     "wait_http",
     "wait_run_done",
     "worker_process",
@@ -28,6 +31,45 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO.parent / "shared" / "samples"
+ENGINE_VENV_PYTHON = REPO / ".venv-engine" / "bin" / "python"
+
+
+def engine_python() -> str:
+    """The python of the vLLM environment (`make engine`), or REGEN_VLLM_PYTHON. Without one the engine
+    tests skip, except under CI (or REGEN_REQUIRE_ENGINE=1), where a missing engine is a failure."""
+    import pytest
+
+    exe = os.environ.get("REGEN_VLLM_PYTHON") or str(ENGINE_VENV_PYTHON)
+    if Path(exe).is_file():
+        return exe
+    why = f"no vLLM environment at {exe}: run `make engine` (or set REGEN_VLLM_PYTHON)"
+    if os.environ.get("CI") or os.environ.get("REGEN_REQUIRE_ENGINE"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+@contextlib.contextmanager
+def vllm_server(target: Path, log: Path, **spec) -> Iterator[str]:
+    """A real vLLM OpenAI server for `target` (a tiny local model), built by regen's own launcher
+    (`regen launch-vllm`): plain, with draft=DIR, or with hidden_states_dir=DIR. Yields its base URL."""
+    from regen_service.deploy.launch_vllm import VllmLaunchSpec, build_vllm_launch
+
+    port = free_port()
+    launch = build_vllm_launch(
+        VllmLaunchSpec(
+            target=str(target), served_model_name="tiny", python=engine_python(), port=port,
+            max_model_len=1024, dtype="bfloat16", extra=["--enforce-eager"], **spec,
+        )
+    )  # fmt: skip
+    # 1 GiB of KV cache is plenty for the tiny targets and keeps two servers within the CI machine.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **launch.env}
+    proc = spawn(launch.argv, env=env, log=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", timeout_s=420, proc=proc)
+        yield url
+    finally:
+        stop(proc, timeout_s=30)
 
 
 def spawn(cmd: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:

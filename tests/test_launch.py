@@ -103,3 +103,43 @@ def test_spec_numbers_validated_together(target_and_draft):
     assert SpecParams(num_steps=5, eagle_topk=4, num_draft_tokens=8).num_draft_tokens == 8
     with pytest.raises(ValueError, match="exceeds"):
         SpecParams(num_steps=2, eagle_topk=2, num_draft_tokens=8)
+
+
+def run_vllm(*args: str):
+    return CliRunner().invoke(main, ["launch-vllm", *args], catch_exceptions=False)
+
+
+def test_vllm_hidden_state_server_captures_aux_layers_and_the_last(tmp_path):
+    target = make_target(tmp_path / "target")  # 12 layers
+    res = run_vllm(
+        "--target", str(target), "--hidden-states", str(tmp_path / "states"), "--tp", "8", "--print"
+    )
+    assert res.exit_code == 0, res.output
+    argv = shlex.split(res.output)
+    assert argv[0] == "env" and argv[1].startswith("PYTHONPATH=")
+    assert argv[argv.index("-m") + 1] == "vllm.entrypoints.openai.api_server"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 6, 9, 12]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == "regen_service.drafter.vllm_connector"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str((tmp_path / "states").resolve())
+    bad = run_vllm("--target", str(target), "--hidden-states", str(tmp_path / "s"), "--aux-layers", "2,2,1")
+    assert bad.exit_code != 0 and "repeat a layer" in bad.output
+
+
+def test_vllm_launch_refuses_a_draft_exported_for_sglang(target_and_draft):
+    target, draft = target_and_draft  # exported with the default --engine sglang
+    res = run_vllm("--target", str(target), "--draft", str(draft), "--print")
+    assert res.exit_code == 1 and "[aux_engine]" in res.output and "--engine vllm" in res.output
+
+
+def test_vllm_launch_refuses_a_target_the_gpus_cannot_hold(tmp_path):
+    target = make_target(tmp_path / "target")
+    with open(target / "model-00001-of-00001.safetensors", "wb") as f:
+        f.truncate(600 * 2**30)  # sparse: Kimi-K2.5's ~600 GiB of weights, no disk used
+    res = run_vllm("--target", str(target), "--tp", "1", "--gpu-memory-gib", "141", "--print")
+    assert res.exit_code != 0
+    assert "600 GiB" in res.output and "--tp 6 or more" in res.output
+    ok = run_vllm("--target", str(target), "--tp", "8", "--gpu-memory-gib", "141", "--print")
+    assert ok.exit_code == 0, ok.output

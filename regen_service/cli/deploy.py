@@ -220,11 +220,14 @@ def launch_sglang_cmd(
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--max-model-len", type=int)
+@click.option("--gpu-memory-gib", type=float, help="Memory per GPU, for the fit check [default: GPU 0's].")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True)
 @click.option("--python", "python_exe", help="The engine environment's python [default: this one].")
 @click.option("--extra", multiple=True, help="Extra vLLM argument (repeatable; shell-split).")
 @click.option("--print", "print_only", is_flag=True, help="Print the command instead of running it.")
 def launch_vllm_cmd(target, served_model_name, draft, spec_tokens, hidden_states_dir, aux_layers, tp, port,
-                    host, max_model_len, python_exe, extra, print_only):  # fmt: skip
+                    host, max_model_len, gpu_memory_gib, gpu_memory_utilization, python_exe, extra,
+                    print_only):  # fmt: skip
     """Launch vLLM's OpenAI server for the target: plain, with an EAGLE-3 draft (validated for vLLM), or
     capturing the trainer's hidden states. The API key comes from REGEN_ENDPOINT_API_KEY and is never printed."""
     import shlex
@@ -245,7 +248,8 @@ def launch_vllm_cmd(target, served_model_name, draft, spec_tokens, hidden_states
         spec = VllmLaunchSpec(
             target=target, served_model_name=served_model_name, draft=draft, num_speculative_tokens=spec_tokens,
             hidden_states_dir=hidden_states_dir, aux_layer_ids=layers, tp=tp, host=host, port=port,
-            max_model_len=max_model_len, api_key=api_key_from_env(),
+            max_model_len=max_model_len, gpu_memory_gib=gpu_memory_gib,
+            gpu_memory_utilization=gpu_memory_utilization, api_key=api_key_from_env(),
             extra=[a for e in extra for a in shlex.split(e)], **({"python": python_exe} if python_exe else {}),
         )  # fmt: skip
         launch = build_vllm_launch(spec)

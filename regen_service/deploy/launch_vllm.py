@@ -46,6 +46,9 @@ class VllmLaunchSpec(BaseModel):
     max_model_len: int | None = Field(default=None, ge=16)
     dtype: str = "auto"
     python: str = Field(default_factory=lambda: sys.executable)
+    # per GPU; None = read from the first visible GPU when there is one (no check on CPU-only hosts)
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     api_key: SecretStr | None = None
     extra: list[str] = Field(default_factory=list)
 
@@ -81,13 +84,46 @@ def hidden_state_layers(target: fmt.TargetInfo, aux_layer_ids: list[int] | None)
     return [*checked_aux_layer_ids(aux_layer_ids, target.num_layers), target.num_layers]
 
 
+def weights_bytes(target: Path) -> int:
+    return sum(f.stat().st_size for f in target.glob("*.safetensors")) if target.is_dir() else 0
+
+
+def _gpu_memory_gib() -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def check_fits(spec: VllmLaunchSpec) -> None:
+    """Refuse a target whose weights alone overflow the GPUs it would be split over (vLLM would load for
+    minutes, then die out of memory), naming the tensor-parallel size that holds it."""
+    gib = spec.gpu_memory_gib or _gpu_memory_gib()
+    need = weights_bytes(Path(spec.target)) / 2**30
+    if not gib or not need:
+        return
+    usable = gib * spec.gpu_memory_utilization
+    if need / spec.tp > 0.9 * usable:  # the rest is the KV cache's, and the captured states'
+        least = -(-need // (0.9 * usable))
+        raise ConfigError(
+            f"{spec.target}: {need:.0f} GiB of weights over --tp {spec.tp} is {need / spec.tp:.0f} GiB per GPU, "
+            f"more than fits in {usable:.0f} GiB ({gib:.0f} GiB x gpu_memory_utilization "
+            f"{spec.gpu_memory_utilization}) with room for the cache: use --tp {int(least)} or more (with "
+            "expert parallelism for a MoE), or GPUs with more memory"
+        )
+
+
 def build_vllm_launch(spec: VllmLaunchSpec) -> VllmLaunch:
     """The argv for vLLM's OpenAI server; raises ConfigError (DraftPreflightError) when a check fails."""
     target = Path(spec.target)
+    check_fits(spec)
     argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.target]
     argv += ["--served-model-name", spec.served_model_name or target.name]
     argv += ["--host", spec.host, "--port", str(spec.port), "--tensor-parallel-size", str(spec.tp)]
-    argv += ["--dtype", spec.dtype]
+    argv += ["--dtype", spec.dtype, "--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     env: dict[str, str] = {}

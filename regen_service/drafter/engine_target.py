@@ -127,8 +127,10 @@ class VllmTarget:
         self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, self.num_layers)
         w = load_head_weights(path)
         self._embed = w["embed"]
+        # Kimi-K2.5's head is 163840 x 7168: bf16 on a GPU (2.3 GB), fp32 where the CPU computes it.
+        head_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self._norm_w = w["norm"].to(self.device, torch.float32)
-        self._lm_head = w["lm_head"].to(self.device, torch.float32)
+        self._lm_head = w["lm_head"].to(self.device, head_dtype)
         self._eps = float(getattr(tc, "rms_norm_eps", 1e-6))
         self.endpoint = endpoint.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -203,7 +205,7 @@ class VllmTarget:
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         x = last.to(self.device, torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps) * self._norm_w
-        return x @ self._lm_head.T
+        return x.to(self._lm_head.dtype) @ self._lm_head.T
 
     @torch.no_grad()
     def forward(

@@ -61,16 +61,21 @@ def make_tiny_target(
     return Path(path)
 
 
+def _plain_pool(tok, pool: int) -> list[int]:
+    """A fixed pool of `pool` plain token ids (no special or marker tokens), the same for every seed."""
+    special = set(tok.all_special_ids)
+    plain = [
+        i for i in range(len(tok)) if i not in special and not tok.convert_ids_to_tokens(i).startswith("<|")
+    ]
+    return random.Random(0).sample(plain, min(pool, len(plain)))
+
+
 def random_prompts(tok, n: int, words: int, seed: int, pool: int = 64) -> list[list[int]]:
     """Chat-templated prompts (token ids, all the same length) whose user text is `words` random plain
     tokens from a fixed pool of `pool` ids: the same pool for every seed, so held-out prompts share
     the training data's token space."""
     rng = random.Random(seed)
-    special = set(tok.all_special_ids)
-    plain = [
-        i for i in range(len(tok)) if i not in special and not tok.convert_ids_to_tokens(i).startswith("<|")
-    ]
-    plain = random.Random(0).sample(plain, min(pool, len(plain)))
+    plain = _plain_pool(tok, pool)
     text = tok.apply_chat_template(
         [{"role": "user", "content": "\x00"}], tokenize=False, add_generation_prompt=True
     )
@@ -78,7 +83,13 @@ def random_prompts(tok, n: int, words: int, seed: int, pool: int = 64) -> list[l
     return [head + [rng.choice(plain) for _ in range(words)] + tail for _ in range(n)]
 
 
-@torch.no_grad()
+def random_texts(tok, n: int, words: int, seed: int, pool: int = 64) -> list[str]:
+    """The user texts of random_prompts as strings, for mixes that go through the real pipeline."""
+    rng = random.Random(seed)
+    plain = _plain_pool(tok, pool)
+    return [tok.decode([rng.choice(plain) for _ in range(words)]) for _ in range(n)]
+
+
 def greedy_rows(
     target_path: str | Path,
     run_id: str,
