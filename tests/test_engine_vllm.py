@@ -247,7 +247,7 @@ def test_draft_trained_on_vllm_states_accepts_in_vllm(engine, target_dir, settin
             f"hidden-state agreement vLLM vs HF per aux layer input: {agreement}; argmax agree {same_pred:.4f}"
         )
         assert all(a["rel"] < 1e-2 for a in agreement.values()), agreement  # bf16 rounding, ~2.5e-3 seen
-        assert same_pred > 0.97  # bf16 engine vs fp32 copy: near-ties flip (0.990 seen)
+        assert same_pred > 0.95  # bf16 engine vs fp32 copy: near-ties flip (0.971-0.990 seen)
 
         summary = _train(settings_env, res.run_id, target_dir, tmp_path / "out-vllm", cfg,
                          "--target-backend", "vllm", "--target-endpoint", url)  # fmt: skip
