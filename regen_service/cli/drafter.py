@@ -12,11 +12,13 @@ import sys
 
 import click
 
-from regen_service.cli.base import main
+from regen_service.cli.base import main, run_id_param
 
 
 @main.command("train")
-@click.option("--run", "run_id", required=True, help="Run id whose output shards to train on.")
+@click.option(
+    "--run", "run_id", required=True, callback=run_id_param, help="Run id whose output shards to train on."
+)
 @click.option(
     "--target", "target_path", required=True, help="Local Hugging Face directory of the target model."
 )

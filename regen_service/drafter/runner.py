@@ -8,6 +8,12 @@ that shard and trains on its stride share (rank::world), all ranks running the s
 resumes from `latest` (including the batch position inside a shard when checkpoint_every_steps is
 set). Target states come from target.HFTarget (a local copy) or engine_target.VllmTarget (a vLLM engine
 holding the target), as `target_backend` says.
+
+A shard's file is found from (run, shard) under THIS trainer's data root (RunLayout); the `path` a
+stream event carries is never opened (anyone who can write the stream could point it anywhere). A
+shard that cannot be read (missing, not Parquet, wrong schema) is logged as an error, recorded in
+metrics.jsonl and the checkpoint's `bad_shards`, and acked: it never stops the trainer, restarts
+included.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ from regen_service.drafter.vocab import VocabCounter, build_vocab, coverage
 from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
 from regen_service.settings import Settings
-from regen_service.storage import Storage
+from regen_service.storage import RunLayout, Storage
+
+# What reading a planted or broken shard raises: missing file, not Parquet (ArrowInvalid is a
+# ValueError), another schema version (ValueError), missing columns (KeyError), wrong types.
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +103,7 @@ class _Run:
         self.consumed: list[tuple[str, int]] = [tuple(k) for k in ckpt["consumed_shards"]] if ckpt else []
         self.in_progress: dict | None = ckpt["in_progress"] if ckpt else None
         self.vocab_stats: dict | None = ckpt.get("vocab_stats") if ckpt else None
+        self.bad_shards: list[dict] = list(ckpt.get("bad_shards") or []) if ckpt else []
         self.feed = None
         total = cfg.total_steps
         if ctx.is_main:
@@ -113,7 +124,9 @@ class _Run:
         if ckpt:
             self.trainer.load_state(ckpt)
         self._last_saved_step = self.trainer.step if ckpt else -1
+        self._saved_bad = len(self.bad_shards)
         self.metrics_path = self.out / "metrics.jsonl"
+        self._cache: dict[str, list[D.Example]] = {}  # rank 0: examples read while picking a shard
 
     # --- shards -------------------------------------------------------------------------------------
     def _renderer_factory(self):
@@ -124,25 +137,50 @@ class _Run:
             self._renderer = D.ChatRenderer(tok)
         return self._renderer
 
-    def _examples(self, ref: ShardRef) -> list[D.Example]:
-        examples, stats = D.table_examples(
-            self.storage.read_table(ref.path), self._renderer_factory, self.cfg.max_length
-        )
+    def _examples(self, ref: ShardRef) -> list[D.Example] | None:
+        """The shard's examples, read from our own data root; None (recorded, acked) if unreadable."""
+        path = RunLayout(self.storage, ref.run_id).output_shard(ref.shard_id)
+        try:
+            examples, stats = D.table_examples(
+                self.storage.read_table(path), self._renderer_factory, self.cfg.max_length
+            )
+        except _UNREADABLE as e:
+            if not self.ctx.is_main:
+                raise  # rank 0 read the same file first and found it good
+            self._bad_shard(ref, path, e)
+            return None
         if self.ctx.is_main:
             log.info("shard %s/%d: %s", ref.run_id, ref.shard_id, stats)
         return examples
 
+    def _bad_shard(self, ref: ShardRef, path: str, err: BaseException) -> None:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
+        log.error(
+            "shard %s/%d cannot be trained on and is skipped (%s): %s", ref.run_id, ref.shard_id, path, reason
+        )
+        rec = {"run_id": ref.run_id, "shard_id": ref.shard_id, "path": path, "reason": reason}
+        self.bad_shards.append(rec)
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"bad_shard": rec}) + "\n")
+        self.feed.ack({ref.key})  # acked now: a restart must not meet it again
+
     def _next_local(self) -> ShardRef | None:
+        """The next shard not yet consumed whose examples load (cached for the training step)."""
         done = set(self.consumed)
         while (ref := self.feed.next(self.follow)) is not None:
-            if ref.key not in done:
+            if ref.key in done:
+                self.feed.ack({ref.key})  # checkpointed before a kill, never acked: ack now, do not retrain
+                continue
+            examples = self._examples(ref)
+            if examples is not None:
+                self._cache[ref.entry_id] = examples
                 return ref
-            self.feed.ack({ref.key})  # checkpointed before a kill, never acked: ack now, do not retrain
         return None
 
     # --- main loop ----------------------------------------------------------------------------------
     def run(self) -> dict:
-        cache: dict[str, list[D.Example]] = {}
+        cache = self._cache
         first: list[ShardRef] = []
         if self.vocab_stats is None:
             vocab = self._build_vocab(first, cache) if self.ctx.is_main else None
@@ -157,7 +195,7 @@ class _Run:
             if ref_d is None:
                 break
             ref = ShardRef(**ref_d)
-            examples = cache.pop(ref.entry_id, None) or self._examples(ref)
+            examples = cache.pop(ref.entry_id) if ref.entry_id in cache else self._examples(ref)
             self._train_shard(ref, examples)
             if self.ctx.is_main:
                 if self.feed.still_ours(ref):
@@ -168,7 +206,9 @@ class _Run:
                     )
                 if len(self.consumed) % self.cfg.checkpoint_every_shards == 0:
                     self._checkpoint(None)
-        if self.ctx.is_main and self.trainer.step != self._last_saved_step:
+        if self.ctx.is_main and (
+            self.trainer.step != self._last_saved_step or len(self.bad_shards) != self._saved_bad
+        ):
             self._checkpoint(None)
         consumed = broadcast_object(len(self.consumed), self.ctx)  # rank 0 alone keeps the list
         latest = self.out / "checkpoints" / "latest"
@@ -178,6 +218,7 @@ class _Run:
                 "consumed": consumed,
                 "checkpoint": latest.read_text().strip() if latest.exists() else None,
                 "vocab": self.vocab_stats,
+                "bad_shards": len(self.bad_shards),
             }
         )
 
@@ -195,7 +236,6 @@ class _Run:
             ref = self._next_local()
             if ref is None:
                 break
-            cache[ref.entry_id] = self._examples(ref)
             for ex in cache[ref.entry_id]:
                 counter.add(ex.ids, ex.mask)
             first.append(ref)
@@ -265,11 +305,13 @@ class _Run:
             consumed_shards=[list(k) for k in self.consumed],
             in_progress=in_progress,
             vocab_stats=self.vocab_stats,
+            bad_shards=self.bad_shards,
             target_path=str(self.target_path),
             run_id=self.run_id,
-            torch_version=torch.__version__,
+            torch_version=str(torch.__version__),  # a plain str: weights_only loads it
         )
         path = save_checkpoint(self.out, state, keep=self.cfg.keep_checkpoints)
         self._last_saved_step = self.trainer.step
+        self._saved_bad = len(self.bad_shards)
         acked = self.feed.ack(set(self.consumed))
         log.info("checkpoint %s (%d shards consumed, %d acked now)", path.name, len(self.consumed), acked)
