@@ -11,12 +11,15 @@ or made calls the dataset has no results for, the conversation stops there: the 
 target's answer, because anything later answers a conversation the target did not have, and keeping
 the dataset's turn would put non-target text where the trainer expects the target's.
 
-Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept.
-Writing rows (run_id, reused_from, Parquet) is the worker's job.
+Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept,
+their text scrubbed of secrets (client.auth.scrub_secrets). EndpointTerminalError (every endpoint
+refused the key or serves another model) is not the row's fault and propagates: the worker hands the
+shard back rather than finalizing it. Writing rows (run_id, reused_from, Parquet) is the worker's job.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from regen_service.chat_template import (
@@ -26,9 +29,10 @@ from regen_service.chat_template import (
     prompt_ids,
     split_thinking,
 )
+from regen_service.client.auth import scrub_secrets
 from regen_service.client.http import Completion
 from regen_service.client.pool import EndpointPool
-from regen_service.errors import ConfigError, EndpointTerminalError, RetriesExhaustedError, RowTerminalError
+from regen_service.errors import ConfigError, RetriesExhaustedError, RowTerminalError
 from regen_service.rows import message_to_arrow, tools_to_json
 from schemas.conversation import Message, PromptRecord
 from schemas.mix import MixSpec
@@ -58,7 +62,11 @@ class Regenerator:
         """One assistant turn: the completion, the message to store, and (generate) the prompt ids."""
         s = self.mix.sampling
         if self.api == "generate":
-            ids = prompt_ids(self.tokenizer, history, tools, thinking=self.thinking != "off")
+            # Rendering and tokenizing a long conversation takes seconds: never on the event loop,
+            # where it would stall every other request (and the lease heartbeat) of the worker.
+            ids = await asyncio.to_thread(
+                prompt_ids, self.tokenizer, history, tools, thinking=self.thinking != "off"
+            )
             params = {**self._sampling(), "max_new_tokens": s.max_new_tokens, "skip_special_tokens": False}
             if s.seed is not None:
                 params["sampling_seed"] = s.seed
@@ -144,11 +152,9 @@ class Regenerator:
                     break  # the target's turn and the dataset's continuation disagree: stop here
                 history.extend(_repoint(tools_after, msg))
         except RowTerminalError as e:
-            row.update(error=str(e), error_class="terminal_row")
+            row.update(error=scrub_secrets(str(e)), error_class="terminal_row")
         except RetriesExhaustedError as e:
-            row.update(error=str(e), error_class="retries_exhausted")
-        except EndpointTerminalError as e:
-            row.update(error=str(e), error_class="terminal_endpoint")
+            row.update(error=scrub_secrets(str(e)), error_class="retries_exhausted")
         self._finish(row, history, turns, outputs, last_ids, conv.tools, time.monotonic() - t0)
         return row
 

@@ -75,6 +75,9 @@ class WorkerConfig(BaseModel):
     stream: bool = True
     engine: Literal["auto", "sglang", "vllm"] = "auto"
     stall_timeout_s: float = Field(default=60.0, gt=0)
+    request_timeout_s: float | None = Field(default=3600.0, gt=0)
+    max_reply_bytes: int = Field(default=16 << 20, ge=1024)
+    stream_slack_events: int = Field(default=256, ge=1)
     max_attempts: int = Field(default=6, ge=1)
     flush_rows: int = Field(default=64, ge=1)
     flush_interval_s: float = Field(default=1.0, gt=0)
@@ -89,6 +92,9 @@ class WorkerConfig(BaseModel):
             stream=self.stream,
             engine=self.engine,
             stall_timeout_s=self.stall_timeout_s,
+            request_timeout_s=self.request_timeout_s,
+            max_reply_bytes=self.max_reply_bytes,
+            stream_slack_events=self.stream_slack_events,
             max_attempts=self.max_attempts,
         )
 

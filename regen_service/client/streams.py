@@ -14,8 +14,10 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
+from regen_service.client.auth import scrub_secrets
 from regen_service.client.http import (
     Completion,
+    ReplyTooLargeError,
     RetryableError,
     StallError,
     check_abort,
@@ -51,7 +53,8 @@ class _SSEParser:
             obj = json.loads(payload)
         except ValueError:
             raise RetryableError(
-                f"{self.endpoint} sent a malformed event: {payload[:200]!r}", endpoint=self.endpoint
+                f"{self.endpoint} sent a malformed event: {scrub_secrets(payload[:200])!r}",
+                endpoint=self.endpoint,
             ) from None
         return obj if isinstance(obj, dict) else None
 
@@ -94,16 +97,27 @@ else:  # pragma: no cover - Python 3.10
         return await asyncio.wait_for(reader.readany(), left)
 
 
-async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable[[dict], None]) -> None:
+async def read_sse(
+    reader,
+    stall_timeout_s: float,
+    endpoint: str,
+    feed: Callable[[dict], None],
+    *,
+    max_line_bytes: int | None = None,
+    max_events: int | None = None,
+) -> None:
     """Feed every event of an SSE body (an aiohttp StreamReader) to `feed` until [DONE], then read the
     body to its end so that the keep-alive connection goes back to the pool instead of being closed.
 
     The stall timer is an idle timer on lines: StallError when no complete line arrives for
-    stall_timeout_s. A body that ends before [DONE] is retryable. Lines end with LF or CRLF."""
+    stall_timeout_s. A body that ends before [DONE] is retryable. Lines end with LF or CRLF. Bytes that
+    keep arriving defeat the stall timer, so two bounds cut a runaway stream (ReplyTooLargeError,
+    retryable): a line longer than max_line_bytes, and more than max_events events."""
     loop = asyncio.get_running_loop()
     parser = _SSEParser(endpoint)
     deadline = loop.time() + stall_timeout_s
     tail = b""
+    events = 0
     while True:
         try:
             chunk = await _read_chunk(reader, deadline - loop.time())
@@ -115,6 +129,11 @@ async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable
             raise _closed_early(endpoint)
         parts = (tail + chunk).split(b"\n") if tail else chunk.split(b"\n")
         tail = parts.pop()
+        if max_line_bytes is not None and len(tail) > max_line_bytes:
+            raise ReplyTooLargeError(
+                f"{endpoint} sent a stream line over max_reply_bytes ({max_line_bytes} bytes); cut",
+                endpoint=endpoint,
+            )
         if not parts:
             continue
         deadline = loop.time() + stall_timeout_s
@@ -125,6 +144,13 @@ async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable
             if event is _DONE:
                 await _drain(reader, loop)
                 return
+            events += 1
+            if max_events is not None and events > max_events:
+                raise ReplyTooLargeError(
+                    f"{endpoint} kept streaming past max_new_tokens ({events} events, at most {max_events} "
+                    "expected); cut",
+                    endpoint=endpoint,
+                )
             feed(event)
 
 
@@ -137,6 +163,13 @@ async def _drain(reader, loop, limit_s: float = 1.0) -> None:
             pass
     except Exception:  # a timeout or a cut connection: the answer is complete already
         pass
+
+
+def _bound(size: int, max_bytes: int | None, endpoint: str) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise ReplyTooLargeError(
+            f"{endpoint} streamed more than max_reply_bytes ({max_bytes}) of answer; cut", endpoint=endpoint
+        )
 
 
 class Timer:
@@ -161,9 +194,10 @@ class Timer:
 class GenerateStream:
     """Folds native /generate events into a Completion (exact output_ids, raw text)."""
 
-    def __init__(self, endpoint: str, incremental: bool) -> None:
+    def __init__(self, endpoint: str, incremental: bool, max_bytes: int | None = None) -> None:
         self.endpoint = endpoint
         self.incremental = incremental
+        self.max_bytes = max_bytes
         self.text = ""
         self.ids: list[int] = []
         self.meta: dict = {}
@@ -176,6 +210,7 @@ class GenerateStream:
         if self.incremental:
             self.text += text
             self.ids.extend(ids or [])
+            _bound(len(self.text) + 8 * len(self.ids), self.max_bytes, self.endpoint)
         else:
             self.text = text or self.text
             self.ids = list(ids) if ids is not None else self.ids
@@ -219,8 +254,10 @@ def generate_completion(text: str, ids: list[int] | None, meta: dict, endpoint: 
 class ChatStream:
     """Folds OpenAI chat completion chunks: deltas of content, reasoning_content and tool calls."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, max_bytes: int | None = None) -> None:
         self.endpoint = endpoint
+        self.max_bytes = max_bytes
+        self.size = 0  # characters kept so far (content, reasoning, tool-call parts)
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, dict] = {}
@@ -236,6 +273,9 @@ class ChatStream:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            self.size += sum(len(v) for v in (delta.get("content"), delta.get("reasoning_content")) if v)
+            self.size += sum(len(str(tc)) for tc in delta.get("tool_calls") or [])
+            _bound(self.size, self.max_bytes, self.endpoint)
             if delta.get("content"):
                 self.content.append(delta["content"])
                 self.timer.token()
