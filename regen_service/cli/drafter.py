@@ -35,7 +35,15 @@ from regen_service.cli.base import main
     "--consumer", default=None, help="Consumer name in the group (default: derived from host and --out)."
 )
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer, device) -> None:
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    default=None,
+    help="Let the target folder's own Python code run (auto_map, e.g. Kimi-K2.5's tokenizer).",
+)
+def train_cmd(
+    run_id, target_path, out_dir, follow, config_path, group, consumer, device, trust_remote_code
+) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
     from regen_service.drafter.config import TrainConfig
     from regen_service.drafter.runner import train_from_run
@@ -45,7 +53,7 @@ def train_cmd(run_id, target_path, out_dir, follow, config_path, group, consumer
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = TrainConfig.load(config_path)
+        cfg = TrainConfig.load(config_path, trust_remote_code=trust_remote_code or None)
         summary = train_from_run(
             settings,
             run_id,

@@ -28,6 +28,9 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int = Field(default=32000, ge=1)
     vocab_shards: int = Field(default=1, ge=1)
     vocab_tokens: int = Field(default=0, ge=0)
+    # let the target folder's own Python code run (auto_map: Kimi-K2.5's tokenizer and model);
+    # a folder that needs it without this is a ConfigError before training starts
+    trust_remote_code: bool = False
     # target: layer INPUT indices to capture (SGLang's convention); None = [2, L//2, L-3]
     aux_layer_ids: list[int] | None = None
     # draft shapes; None = the target's

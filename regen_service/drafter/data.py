@@ -5,18 +5,22 @@ is: those are the target's exact tokens. Any other row is rendered with the targ
 template over `messages` and `tools` (thinking included wherever the template keeps it). The loss
 mask then covers every assistant turn: from the end of the template's assistant header (what
 `add_generation_prompt` appends) through the template's end-of-turn marker, both found once per
-tokenizer by rendering a probe conversation. Rows with an `error` are skipped; sequences are cut at
+tokenizer by rendering a probe conversation. Masks come from tokenizing the text in segments cut at
+those markers, so slow tokenizers (Kimi-K2.5's tiktoken one: no offset mapping) work too. Rows with an `error` are skipped; sequences are cut at
 max_length. Which shards to read, and when, is the trainer's.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
+
+from regen_service.errors import ConfigError
 
 _SENTINEL = "REGEN_PROBE_9f3b"
 
@@ -62,12 +66,35 @@ class ChatRenderer:
 
     def encode(self, messages: list[dict], tools: list | None) -> Example:
         text = self._render(messages, tools=tools)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         n_asst = sum(1 for m in messages if m.get("role") == "assistant")
-        spans = self.spans(text, n_asst)
-        mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
-        return Example(
-            torch.tensor(enc["input_ids"], dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)
+        ids, mask = self.tokenize_spans(text, self.spans(text, n_asst))
+        return Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+
+    def tokenize_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """(ids, mask) of `text`, mask 1 on the tokens inside `spans`, without offset mappings (slow
+        tokenizers have none): the text is tokenized segment by segment, cut at the span edges. The
+        edges sit on template markers (special tokens), so the segments' ids joined must equal the
+        whole text's ids; if not, a fast tokenizer falls back to its offsets, a slow one is an error."""
+        cuts = sorted({0, len(text), *(p for span in spans for p in span)})
+        ids: list[int] = []
+        mask: list[int] = []
+        for a, b in itertools.pairwise(cuts):
+            seg = self.tok(text[a:b], add_special_tokens=False)["input_ids"]
+            inside = int(any(s <= a and b <= e for s, e in spans))
+            ids += seg
+            mask += [inside] * len(seg)
+        whole = self.tok(text, add_special_tokens=False)["input_ids"]
+        if ids == whole:
+            return ids, mask
+        if getattr(self.tok, "is_fast", False):
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            offs = enc["offset_mapping"]
+            return enc["input_ids"], [int(any(s <= a < e for s, e in spans)) for a, _ in offs]
+        raise ConfigError(
+            f"tokenizer {type(self.tok).__name__} cannot mark assistant tokens in its chat template: the "
+            f"template's assistant header {self.header!r} or end marker {self.end!r} does not fall on a "
+            "token boundary, and the tokenizer has no offset mapping. Use a tokenizer whose template "
+            "markers are special tokens, or regenerate with api: generate (rows then carry token ids)"
         )
 
 

@@ -29,10 +29,12 @@ from regen_service.drafter.train import DraftTrainer, draft_config_for
 from regen_service.drafter.vocab import VocabCounter, build_vocab, coverage
 from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
+from regen_service.remote_code import load_tokenizer, require_opt_in
 from regen_service.settings import Settings
 from regen_service.storage import Storage
 
 log = logging.getLogger(__name__)
+TRUST_SETTING = "regen train --trust-remote-code (or trust_remote_code: true in train.yaml)"
 
 
 def train_from_run(
@@ -62,7 +64,10 @@ class _Run:
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
-        self.target = HFTarget(target_path, ctx.device, aux_layer_ids=cfg.aux_layer_ids)
+        require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)  # before any work
+        self.target = HFTarget(
+            target_path, ctx.device, aux_layer_ids=cfg.aux_layer_ids, trust_remote_code=cfg.trust_remote_code
+        )
         self.target_path = target_path
         self._renderer = None
         ckpt = load_latest(self.out)
@@ -101,9 +106,9 @@ class _Run:
     # --- shards -------------------------------------------------------------------------------------
     def _renderer_factory(self):
         if self._renderer is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.target_path, local_files_only=True)
+            tok = load_tokenizer(
+                self.target_path, trust_remote_code=self.cfg.trust_remote_code, setting=TRUST_SETTING
+            )
             self._renderer = D.ChatRenderer(tok)
         return self._renderer
 
