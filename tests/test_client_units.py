@@ -74,14 +74,14 @@ def test_status_classification():
 
 def test_generate_stream_cumulative_and_incremental():
     meta_end = {"finish_reason": {"type": "stop", "matched": 7}, "prompt_tokens": 3, "completion_tokens": 3}
-    cum = GenerateStream("e", incremental=False)
+    cum = GenerateStream("e", "cumulative")
     for ev in (
         {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}},
         {"text": "ab", "output_ids": [1, 2], "meta_info": {"finish_reason": None}},
         {"text": "abc", "output_ids": [1, 2, 7], "meta_info": meta_end},
     ):
         cum.feed(ev)
-    inc = GenerateStream("e", incremental=True)
+    inc = GenerateStream("e", "incremental")
     for ev in (
         {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}},
         {"text": "b", "output_ids": [2], "meta_info": {"finish_reason": None}},

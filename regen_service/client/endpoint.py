@@ -28,6 +28,7 @@ from regen_service.client.http import (
     Completion,
     ConnectionRefusedRetryable,
     RetryableError,
+    StreamModeError,
     dump_body,
     make_session,
     raise_for_status,
@@ -70,6 +71,8 @@ class Endpoint:
         self.context_length: int | None = None
         self.max_input_len: int | None = None
         self.server_info: dict = {}
+        # /generate stream mode: the config's, or (auto) /server_info's, or "auto" = detect per stream
+        self.stream_mode: str = config.incremental_stream
         self.inflight = 0
         self.healthy = False
         self.ejected = False
@@ -214,6 +217,7 @@ class Endpoint:
                 info = _json_body(body)
                 break
         self.server_info = info
+        self.stream_mode = self._stream_mode(info)
         self.context_length = info.get("context_length") or self.context_length
         self.max_input_len = info.get("max_req_input_len")
         running = info.get("max_running_requests")
@@ -227,6 +231,13 @@ class Endpoint:
                 old, self._data = self._data, self._data_client()
                 if old is not None:
                     await old.close()
+
+    def _stream_mode(self, info: dict) -> str:
+        """SGLang's /server_info lists its server args, `incremental_streaming_output` among them."""
+        if self.config.incremental_stream != "auto":
+            return self.config.incremental_stream
+        flag = info.get("incremental_streaming_output")
+        return ("incremental" if flag else "cumulative") if isinstance(flag, bool) else "auto"
 
     # --- breaker -----------------------------------------------------------------------------
     def record_success(self) -> None:
@@ -339,18 +350,21 @@ class Endpoint:
         return c
 
     async def _stream(self, url: str, api: str, body: dict) -> Completion:
-        acc = (
-            GenerateStream(self.label, self.config.incremental_stream)
-            if api == "generate"
-            else ChatStream(self.label)
-        )
-        async with self._data.post(
-            url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
-        ) as resp:
-            if resp.status != 200:
-                raise_for_status(resp.status, await resp.read(), self.label)
-            await read_sse(resp.content, self.config.stall_timeout_s, self.label, acc.feed)
-        return acc.result()
+        acc = GenerateStream(self.label, self.stream_mode) if api == "generate" else ChatStream(self.label)
+        try:
+            async with self._data.post(
+                url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
+            ) as resp:
+                if resp.status != 200:
+                    raise_for_status(resp.status, await resp.read(), self.label)
+                await read_sse(resp.content, self.config.stall_timeout_s, self.label, acc.feed)
+            return acc.result()
+        except StreamModeError:
+            # The server's mode is not what we believed (restarted with another flag): detect it from
+            # the chunks from now on; the retry then folds the stream right.
+            if self.config.incremental_stream == "auto":
+                self.stream_mode = "auto"
+            raise
 
 
 def _json_body(raw: bytes):

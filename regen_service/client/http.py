@@ -37,6 +37,11 @@ class StallError(RetryableError):
     """No byte arrived for stall_timeout_s while streaming."""
 
 
+class StreamModeError(RetryableError):
+    """A /generate stream that fits neither totals nor deltas as announced (the server's stream mode is
+    not what the endpoint believed): the endpoint falls back to detecting it, and the request is retried."""
+
+
 @dataclass
 class Completion:
     """One answered request, as the server sent it (text raw; output_ids untouched)."""

@@ -2,7 +2,8 @@
 
 `sse_events` turns the response's lines into JSON objects, ending at `data: [DONE]`, and raises
 StallError when no line arrives for stall_timeout_s. `GenerateStream` folds native /generate events
-(cumulative by default, deltas with --incremental-streaming-output); `ChatStream` folds OpenAI chat
+(cumulative by default, deltas with --incremental-streaming-output; the mode is checked on the chunks
+themselves, never trusted blindly); `ChatStream` folds OpenAI chat
 chunks (content, reasoning_content and tool-call deltas, the usage chunk). Errors inside events are
 classified by http.py. Splitting thinking from the answer is chat_template.py's job.
 """
@@ -18,6 +19,7 @@ from regen_service.client.http import (
     Completion,
     RetryableError,
     StallError,
+    StreamModeError,
     check_abort,
     event_error,
     finish_type,
@@ -159,13 +161,28 @@ class _Timer:
 
 
 class GenerateStream:
-    """Folds native /generate events into a Completion (exact output_ids, raw text)."""
+    """Folds native /generate events into a Completion (exact output_ids, raw text).
 
-    def __init__(self, endpoint: str, incremental: bool) -> None:
+    SGLang sends totals by default and deltas under --incremental-streaming-output. `mode` is what the
+    endpoint knows ("cumulative"/"incremental": config or /server_info; "auto": unknown). The chunks are
+    checked either way: cumulative chunks must extend the previous one, and the folded ids must number
+    meta_info.completion_tokens (SGLang's len(req.output_ids)). In auto mode both folds are kept until a
+    chunk breaks the cumulative shape (then: deltas) or three growing chunks show it (then: totals; the
+    delta fold is dropped so memory stays linear); the final count picks or confirms. A stream that fits
+    neither fold raises StreamModeError: never a truncated or doubled answer."""
+
+    _SETTLE_CHUNKS = 3
+
+    def __init__(self, endpoint: str, mode: str = "auto") -> None:
         self.endpoint = endpoint
-        self.incremental = incremental
-        self.text = ""
+        self.mode = mode
+        self.text = ""  # cumulative fold: the last totals
         self.ids: list[int] = []
+        self.cat_text: list[str] = []  # incremental fold: deltas joined (not kept once cumulative)
+        self.cat_ids: list[int] = []
+        self.extends = True  # every chunk so far extended the previous one
+        self.grown = 0
+        self.chunks = 0
         self.meta: dict = {}
         self.timer = _Timer()
 
@@ -173,15 +190,54 @@ class GenerateStream:
         if "error" in event:
             raise event_error(event["error"], self.endpoint)
         text, ids = event.get("text") or "", event.get("output_ids")
-        if self.incremental:
-            self.text += text
-            self.ids.extend(ids or [])
-        else:
-            self.text = text or self.text
-            self.ids = list(ids) if ids is not None else self.ids
-        if self.ids or self.text:
+        ids = list(ids) if ids is not None else []
+        self.chunks += 1
+        if self.mode != "incremental":
+            if ids[: len(self.ids)] != self.ids or not text.startswith(self.text):
+                self.extends = False
+                if self.mode == "cumulative":
+                    raise StreamModeError(
+                        f"{self.endpoint}: /generate chunk {self.chunks} does not extend the previous one, "
+                        "so the stream carries deltas, not the totals expected (server restarted with "
+                        "--incremental-streaming-output?)",
+                        endpoint=self.endpoint,
+                    )
+                self.mode = "incremental"  # auto: the cumulative shape is broken
+            elif self.mode == "auto" and len(ids) > len(self.ids):
+                self.grown += 1
+                if self.grown >= self._SETTLE_CHUNKS:
+                    self.mode, self.cat_ids, self.cat_text = "cumulative", [], []
+            if self.mode != "incremental":
+                self.text, self.ids = text or self.text, ids or self.ids
+        if self.mode != "cumulative":
+            self.cat_text.append(text)
+            self.cat_ids.extend(ids)
+            count = (event.get("meta_info") or {}).get("completion_tokens")
+            if self.mode == "incremental" and isinstance(count, int) and len(self.cat_ids) > count:
+                raise StreamModeError(  # totals taken for deltas: stop before they pile up
+                    f"{self.endpoint}: /generate chunks add up to {len(self.cat_ids)} output ids but the "
+                    f"server counted {count}: the stream carries totals, not the deltas expected",
+                    endpoint=self.endpoint,
+                )
+        if ids or text:
             self.timer.token()
         self.meta = event.get("meta_info") or self.meta
+
+    def _folded(self) -> tuple[str, list[int]]:
+        want = self.meta.get("completion_tokens")
+        folds = {"cumulative": (self.text, self.ids), "incremental": ("".join(self.cat_text), self.cat_ids)}
+        if self.mode == "auto":  # undecided: the count picks (totals win a tie: then both are equal)
+            order = ["cumulative", "incremental"] if self.extends else ["incremental"]
+            fits = [m for m in order if want is None or len(folds[m][1]) == want]
+            self.mode = fits[0] if fits else order[0]
+        text, ids = folds[self.mode]
+        if isinstance(want, int) and len(ids) != want:
+            raise StreamModeError(
+                f"{self.endpoint}: folding the /generate stream as {self.mode} gives {len(ids)} output ids "
+                f"but the server counted {want} (its stream mode changed mid-request?)",
+                endpoint=self.endpoint,
+            )
+        return text, ids
 
     def result(self) -> Completion:
         fr = self.meta.get("finish_reason")
@@ -190,7 +246,8 @@ class GenerateStream:
                 f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint
             )
         check_abort(fr, self.endpoint)
-        return self.timer.finish(generate_completion(self.text, self.ids, self.meta, self.endpoint))
+        text, ids = self._folded()
+        return self.timer.finish(generate_completion(text, ids, self.meta, self.endpoint))
 
 
 def generate_completion_from_body(body: dict, endpoint: str) -> Completion:
