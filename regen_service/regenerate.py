@@ -65,9 +65,7 @@ class Regenerator:
             c = await self.pool.complete(
                 "generate", {"input_ids": ids, "sampling_params": params}, prompt_len=len(ids)
             )
-            reasoning, answer = split_thinking(
-                c.text, prompt_opens_think=self.thinking != "off", truncated=c.finish_reason == "length"
-            )
+            reasoning, answer = split_thinking(c.text, prompt_opens_think=self.thinking != "off")
             content, calls = parse_tool_calls(answer)
         else:
             ids = None
@@ -88,13 +86,16 @@ class Regenerator:
             reasoning, content, calls = c.reasoning_content, c.content or "", c.tool_calls
             if reasoning is None and "</think>" in content:
                 # The server runs without a reasoning parser: split it here the same way.
-                reasoning, content = split_thinking(content, prompt_opens_think=True, truncated=False)
+                reasoning, content = split_thinking(content, prompt_opens_think=True)
             # Raw text as generated after the prompt's `<think>`: reasoning, `</think>`, answer.
             c.text = f"{reasoning}</think>{content}" if reasoning is not None else content
+        # The reasoning stays in the history later requests carry, even under `thinking: strip`: the
+        # template keeps it for in-progress tool-call turns, so the target must see it there. What
+        # `strip` drops is dropped from the stored row only (_finish).
         msg = Message(
             role="assistant",
             content=content,
-            reasoning_content=reasoning if self.thinking != "strip" else None,
+            reasoning_content=reasoning,
             tool_calls=tuple(calls) if calls else None,
         )
         return c, msg, ids
@@ -186,6 +187,12 @@ class Regenerator:
 
     def _finish(self, row, history, turns, outputs, last_ids, tools, elapsed_s: float) -> None:
         speeds = [t["decode_tok_s"] for t in turns if t["decode_tok_s"] is not None]
+        if self.thinking == "strip":
+            answered = {t["message_index"] for t in turns}
+            history = [
+                m.model_copy(update={"reasoning_content": None}) if i in answered else m
+                for i, m in enumerate(history)
+            ]
         row.update(
             messages=[message_to_arrow(m) for m in history],
             turns=turns,

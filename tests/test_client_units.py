@@ -145,14 +145,14 @@ def test_chat_stream_deltas_tools_usage():
 
 def test_kimi_output_parsing_and_loss_mask():
     raw = 'hmm</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
-    reasoning, answer = split_thinking(raw, prompt_opens_think=True, truncated=False)
+    reasoning, answer = split_thinking(raw, prompt_opens_think=True)
     content, calls = parse_tool_calls(answer)
     assert reasoning == "hmm" and content == "Sure."
     assert [(c.id, c.name, c.arguments) for c in calls] == [
         ("functions.get_weather:0", "get_weather", '{"city": "Paris"}')
     ]
-    assert split_thinking("still thinking", prompt_opens_think=True, truncated=True) == ("still thinking", "")
-    assert split_thinking("plain", prompt_opens_think=False, truncated=False) == (None, "plain")
+    assert split_thinking("still thinking", prompt_opens_think=True) == ("still thinking", "")
+    assert split_thinking("plain", prompt_opens_think=False) == (None, "plain")
     assert loss_mask_for([9, 1, 2, 9, 3, 9], [4, 5], [[1, 2], [3], [8]]) == [0, 1, 1, 0, 1, 0, 1, 1]
 
 
