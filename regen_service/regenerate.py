@@ -120,6 +120,7 @@ class Regenerator:
         history: list[Message] = []
         turns: list[dict] = []
         outputs: list[list[int]] = []
+        prompts: list[list[int] | None] = []  # per turn: the prompt ids it was generated from
         last_ids: list[int] | None = None
         t0 = time.monotonic()
         i = 0
@@ -133,6 +134,7 @@ class Regenerator:
                 c, msg, ids = await self._ask(history, conv.tools)
                 history.append(msg)
                 turns.append(self._turn(len(history) - 1, c))
+                prompts.append(ids if c.output_ids is not None else None)
                 if c.output_ids is not None:
                     outputs.append(list(c.output_ids))
                     last_ids = ids
@@ -150,7 +152,8 @@ class Regenerator:
             row.update(error=str(e), error_class="retries_exhausted")
         except EndpointTerminalError as e:
             row.update(error=str(e), error_class="terminal_endpoint")
-        self._finish(row, history, turns, outputs, last_ids, conv.tools, time.monotonic() - t0)
+        self._finish(row, history, turns, outputs, last_ids, time.monotonic() - t0)
+        _attach_prompts(row, turns, prompts)
         return row
 
     # --- row ---------------------------------------------------------------------------------
@@ -185,7 +188,7 @@ class Regenerator:
             "attempts": c.attempts,
         }
 
-    def _finish(self, row, history, turns, outputs, last_ids, tools, elapsed_s: float) -> None:
+    def _finish(self, row, history, turns, outputs, last_ids, elapsed_s: float) -> None:
         speeds = [t["decode_tok_s"] for t in turns if t["decode_tok_s"] is not None]
         if self.thinking == "strip":
             answered = {t["message_index"] for t in turns}
@@ -211,6 +214,17 @@ class Regenerator:
         if last_ids is not None and outputs:
             row["input_ids"] = last_ids + outputs[-1]
             row["loss_mask"] = loss_mask_for(last_ids, outputs[-1], outputs[:-1])
+
+
+def _attach_prompts(row: dict, turns: list[dict], prompts: list[list[int] | None]) -> None:
+    """Each generate turn's exact prompt: its length, and its ids where they are not a prefix of the
+    row's input_ids (an earlier turn whose later re-rendering changed, e.g. dropped its thinking)."""
+    final = row.get("input_ids") or []
+    for turn, ids in zip(turns, prompts, strict=True):
+        if ids is None:
+            turn.update(prompt_len=None, prompt_ids=None)
+            continue
+        turn.update(prompt_len=len(ids), prompt_ids=None if final[: len(ids)] == ids else ids)
 
 
 def _repoint(tool_msgs: list[Message], call_msg: Message) -> list[Message]:

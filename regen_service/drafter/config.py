@@ -8,6 +8,7 @@ override. What the fields mean is in docs/training.md.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,6 +24,10 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(default=1, ge=1)  # sequences per rank per step
     epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
     seed: int = 0
+    # training samples of multi-turn rows: one per generation (the exact prompt the target saw plus
+    # its answer), or one per conversation (right only for templates that keep all thinking); auto:
+    # per generation when the target's template drops earlier thinking (Kimi-K2.5's does)
+    samples: Literal["auto", "per_generation", "conversation"] = "auto"
     # draft vocabulary: built from the first `vocab_shards` shards, or fewer once `vocab_tokens`
     # loss-masked tokens were counted (0 = no token limit); then frozen
     draft_vocab_size: int = Field(default=32000, ge=1)

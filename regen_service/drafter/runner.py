@@ -112,9 +112,18 @@ class _Run:
             self._renderer = D.ChatRenderer(tok)
         return self._renderer
 
+    def _samples(self) -> str:
+        if self.cfg.samples == "auto":  # follow what the target's template does, decided once
+            per_gen = self._renderer_factory().drops_thinking
+            self.cfg = self.cfg.model_copy(
+                update={"samples": "per_generation" if per_gen else "conversation"}
+            )
+            log.info("training samples: %s (from the target's chat template)", self.cfg.samples)
+        return self.cfg.samples
+
     def _examples(self, ref: ShardRef) -> list[D.Example]:
         examples, stats = D.table_examples(
-            self.storage.read_table(ref.path), self._renderer_factory, self.cfg.max_length
+            self.storage.read_table(ref.path), self._renderer_factory, self.cfg.max_length, self._samples()
         )
         if self.ctx.is_main:
             log.info("shard %s/%d: %s", ref.run_id, ref.shard_id, stats)
