@@ -263,3 +263,30 @@ def test_train_refuses_remote_code_without_the_flag(kimi_dir, tmp_path, settings
     )
     assert res.exit_code != 0 and "--trust-remote-code" in res.output
     assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def test_enqueue_refuses_a_remote_code_tokenizer_without_the_opt_in(kimi_dir, tmp_path, settings_env):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(
+        "name: k\n"
+        f"target: {{model: kimi, api: generate, tokenizer: {kimi_dir}}}\n"
+        f"sources: [{{name: s, path: {data}, format: messages}}]\n"
+    )
+    res = CliRunner().invoke(main, ["enqueue", str(mix)], env=settings_env)
+    assert res.exit_code != 0 and "target.trust_remote_code: true" in res.output
+    assert not (Path(settings_env["REGEN_DATA_ROOT"]) / "runs").exists()  # nothing prepared
+
+
+def test_a_template_whose_markers_split_a_token_is_a_clear_error(kimi_dir):
+    tok = load_tokenizer(kimi_dir, trust_remote_code=True, setting="test")
+    # the assistant header ends inside a word, so BPE merges across it: no exact mask possible
+    tok.chat_template = (
+        "{%- for m in messages -%}<|im_user|>{{ m['role'] }}<|im_middle|>"
+        "{%- if m['role'] == 'assistant' -%}th{%- endif -%}{{ m['content'] }}<|im_end|>{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_user|>assistant<|im_middle|>th{%- endif -%}"
+    )
+    r = ChatRenderer(tok)
+    with pytest.raises(ConfigError, match="token boundary"):
+        r.encode([{"role": "user", "content": "q"}, {"role": "assistant", "content": "ink about it"}], None)
