@@ -53,12 +53,25 @@ def test_repeated_tokens_as_deltas_are_told_apart_by_the_count():
 def test_a_stream_that_contradicts_the_announced_mode_is_an_error():
     with pytest.raises(StreamModeError, match="does not extend"):
         fold("cumulative", DELTAS)
-    with pytest.raises(StreamModeError, match="carries totals"):
+    with pytest.raises(StreamModeError, match="holds 3 output ids but the server counted 2"):
         fold("incremental", TOTALS)
     acc = GenerateStream("e", "auto")  # neither fold gives the server's count
-    acc.feed({"text": "a", "output_ids": [1], "meta_info": END | {"completion_tokens": 9}})
     with pytest.raises(StreamModeError, match="counted 9"):
-        acc.result()
+        acc.feed({"text": "a", "output_ids": [1], "meta_info": END | {"completion_tokens": 9}})
+
+
+def test_without_counts_growing_totals_settle_and_text_only_streams_fold_by_text():
+    acc = GenerateStream("e", "auto")
+    for ids, text in TOTALS:
+        acc.feed({"text": text, "output_ids": ids, "meta_info": {}})
+    acc.feed({"text": "abcd", "output_ids": [1, 2, 3, 7], "meta_info": {"finish_reason": {"type": "stop"}}})
+    assert acc.mode == "cumulative" and acc.result().output_ids == [1, 2, 3, 7]
+    acc = GenerateStream("e", "auto")  # no output_ids at all: the text, and no ids to store
+    for text in ("a", "ab"):
+        acc.feed({"text": text, "meta_info": {"completion_tokens": len(text)}})
+    acc.feed({"text": "abc", "meta_info": END | {"completion_tokens": 3}})
+    c = acc.result()
+    assert (c.text, c.output_ids) == ("abc", None)
 
 
 async def _answers(url: str, prompts: list[list[int]], **cfg) -> tuple[list, list, str]:

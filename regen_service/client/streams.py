@@ -166,10 +166,10 @@ class GenerateStream:
     SGLang sends totals by default and deltas under --incremental-streaming-output. `mode` is what the
     endpoint knows ("cumulative"/"incremental": config or /server_info; "auto": unknown). The chunks are
     checked either way: cumulative chunks must extend the previous one, and the folded ids must number
-    meta_info.completion_tokens (SGLang's len(req.output_ids)). In auto mode both folds are kept until a
-    chunk breaks the cumulative shape (then: deltas) or three growing chunks show it (then: totals; the
-    delta fold is dropped so memory stays linear); the final count picks or confirms. A stream that fits
-    neither fold raises StreamModeError: never a truncated or doubled answer."""
+    the chunk's meta_info.completion_tokens (SGLang's len(req.output_ids), sent with every chunk). In
+    auto mode both folds are kept until that count (or, without counts, three growing chunks that each
+    extend the last) tells them apart; the delta fold is then dropped so memory stays linear. A stream
+    that fits neither fold raises StreamModeError: never a truncated or doubled answer."""
 
     _SETTLE_CHUNKS = 3
 
@@ -180,64 +180,66 @@ class GenerateStream:
         self.ids: list[int] = []
         self.cat_text: list[str] = []  # incremental fold: deltas joined (not kept once cumulative)
         self.cat_ids: list[int] = []
-        self.extends = True  # every chunk so far extended the previous one
         self.grown = 0
         self.chunks = 0
+        self.saw_ids = False
         self.meta: dict = {}
         self.timer = _Timer()
+
+    def _error(self, what: str) -> StreamModeError:
+        return StreamModeError(f"{self.endpoint}: /generate {what}", endpoint=self.endpoint)
 
     def feed(self, event: dict) -> None:
         if "error" in event:
             raise event_error(event["error"], self.endpoint)
-        text, ids = event.get("text") or "", event.get("output_ids")
-        ids = list(ids) if ids is not None else []
+        text, raw_ids = event.get("text") or "", event.get("output_ids")
+        meta = event.get("meta_info") or {}
         self.chunks += 1
+        self.saw_ids = self.saw_ids or raw_ids is not None
+        # a server that sends no ids (text only) is folded by text alone, as before
+        ids = list(raw_ids) if raw_ids is not None else (self.ids if self.mode != "incremental" else [])
         if self.mode != "incremental":
-            if ids[: len(self.ids)] != self.ids or not text.startswith(self.text):
-                self.extends = False
-                if self.mode == "cumulative":
-                    raise StreamModeError(
-                        f"{self.endpoint}: /generate chunk {self.chunks} does not extend the previous one, "
-                        "so the stream carries deltas, not the totals expected (server restarted with "
-                        "--incremental-streaming-output?)",
-                        endpoint=self.endpoint,
-                    )
+            if ids[: len(self.ids)] == self.ids and text.startswith(self.text):
+                self.grown += len(ids) > len(self.ids)
+                self.text, self.ids = text, ids
+            elif self.mode == "cumulative":
+                raise self._error(
+                    f"chunk {self.chunks} does not extend the previous one: the stream carries deltas, "
+                    "not the totals expected (server restarted with --incremental-streaming-output?)"
+                )
+            else:
                 self.mode = "incremental"  # auto: the cumulative shape is broken
-            elif self.mode == "auto" and len(ids) > len(self.ids):
-                self.grown += 1
-                if self.grown >= self._SETTLE_CHUNKS:
-                    self.mode, self.cat_ids, self.cat_text = "cumulative", [], []
-            if self.mode != "incremental":
-                self.text, self.ids = text or self.text, ids or self.ids
         if self.mode != "cumulative":
             self.cat_text.append(text)
             self.cat_ids.extend(ids)
-            count = (event.get("meta_info") or {}).get("completion_tokens")
-            if self.mode == "incremental" and isinstance(count, int) and len(self.cat_ids) > count:
-                raise StreamModeError(  # totals taken for deltas: stop before they pile up
-                    f"{self.endpoint}: /generate chunks add up to {len(self.cat_ids)} output ids but the "
-                    f"server counted {count}: the stream carries totals, not the deltas expected",
-                    endpoint=self.endpoint,
-                )
+        self._check(meta.get("completion_tokens") if raw_ids is not None else None)
         if ids or text:
             self.timer.token()
-        self.meta = event.get("meta_info") or self.meta
+        self.meta = meta or self.meta
+
+    def _check(self, count) -> None:
+        """Hold the folds to the server's running count; in auto mode, settle the mode by it."""
+        if not isinstance(count, int):
+            if self.mode == "auto" and self.grown >= self._SETTLE_CHUNKS:
+                self.mode, self.cat_ids, self.cat_text = "cumulative", [], []
+            return
+        fits_total = self.mode != "incremental" and len(self.ids) == count
+        fits_delta = self.mode != "cumulative" and len(self.cat_ids) == count
+        if self.mode == "auto" and fits_total != fits_delta:
+            self.mode = "cumulative" if fits_total else "incremental"
+            if fits_total:
+                self.cat_ids, self.cat_text = [], []
+        elif not (fits_total or fits_delta):
+            got = len(self.ids) if self.mode == "cumulative" else len(self.cat_ids)
+            raise self._error(
+                f"chunk {self.chunks}: folded as {self.mode} it holds {got} output ids but the server "
+                f"counted {count} (its stream mode is not the one expected)"
+            )
 
     def _folded(self) -> tuple[str, list[int]]:
-        want = self.meta.get("completion_tokens")
-        folds = {"cumulative": (self.text, self.ids), "incremental": ("".join(self.cat_text), self.cat_ids)}
-        if self.mode == "auto":  # undecided: the count picks (totals win a tie: then both are equal)
-            order = ["cumulative", "incremental"] if self.extends else ["incremental"]
-            fits = [m for m in order if want is None or len(folds[m][1]) == want]
-            self.mode = fits[0] if fits else order[0]
-        text, ids = folds[self.mode]
-        if isinstance(want, int) and len(ids) != want:
-            raise StreamModeError(
-                f"{self.endpoint}: folding the /generate stream as {self.mode} gives {len(ids)} output ids "
-                f"but the server counted {want} (its stream mode changed mid-request?)",
-                endpoint=self.endpoint,
-            )
-        return text, ids
+        if self.mode == "incremental":
+            return "".join(self.cat_text), self.cat_ids
+        return self.text, self.ids  # cumulative, or auto with both folds equal (or no count to tell)
 
     def result(self) -> Completion:
         fr = self.meta.get("finish_reason")
@@ -247,7 +249,9 @@ class GenerateStream:
             )
         check_abort(fr, self.endpoint)
         text, ids = self._folded()
-        return self.timer.finish(generate_completion(text, ids, self.meta, self.endpoint))
+        return self.timer.finish(
+            generate_completion(text, ids if self.saw_ids else None, self.meta, self.endpoint)
+        )
 
 
 def generate_completion_from_body(body: dict, endpoint: str) -> Completion:
