@@ -11,6 +11,10 @@ or made calls the dataset has no results for, the conversation stops there: the 
 target's answer, because anything later answers a conversation the target did not have, and keeping
 the dataset's turn would put non-target text where the trainer expects the target's.
 
+Every request carries the target's full history, reasoning included (the template decides what it
+shows); `thinking: strip` drops reasoning from the stored row only. api generate turns record the
+exact prompt ids they were generated from (`prompt_len`/`prompt_ids`), for per-generation training.
+
 Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept.
 Writing rows (run_id, reused_from, Parquet) is the worker's job.
 """
