@@ -87,8 +87,9 @@ def _tool_records(n: int):
 
 def _roundtrip(tmp_path, rows):
     storage = Storage(str(tmp_path / "data"))
-    storage.write_table_atomic("outputs/shard.parquet", outputs_to_table(rows))
-    return storage.read_table("outputs/shard.parquet")
+    path = storage.path("outputs", "shard-00000.parquet")
+    storage.write_table_atomic(path, outputs_to_table(rows))
+    return storage.read_table(path)
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["chat-turns", "tool-task"])
