@@ -22,6 +22,7 @@ from regen_service.client.config import PoolConfig
 from regen_service.client.pool import EndpointPool
 from regen_service.loops import new_event_loop
 from regen_service.regenerate import Regenerator
+from regen_service.remote_code import load_tokenizer
 from regen_service.settings import Settings
 from schemas.mix import MixSpec
 
@@ -107,7 +108,7 @@ class WorkerRuntime:
         self._thread = threading.Thread(target=self._run_loop, name="regen-loop", daemon=True)
         self._thread.start()
         self._pools: dict[str, EndpointPool] = {}
-        self._tokenizers: dict[str, object] = {}
+        self._tokenizers: dict[tuple[str, bool], object] = {}
         self._budgets: dict[str, InflightBudget] = {}
         self._lock = threading.Lock()
 
@@ -142,11 +143,14 @@ class WorkerRuntime:
         if mix.target.api != "generate" or not path:
             return None
         with self._lock:
-            if path not in self._tokenizers:
-                from transformers import AutoTokenizer
-
-                self._tokenizers[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            return self._tokenizers[path]
+            key = (path, mix.target.trust_remote_code)
+            if key not in self._tokenizers:
+                self._tokenizers[key] = load_tokenizer(
+                    path,
+                    trust_remote_code=mix.target.trust_remote_code,
+                    setting="target.trust_remote_code: true",
+                )
+            return self._tokenizers[key]
 
     def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, InflightBudget]:
         pool, sem = self.pool_for(mix.target.model)

@@ -34,6 +34,11 @@ class TargetSpec(_Strict):
         default=None,
         description="local tokenizer path; required for api: generate (chat template client side)",
     )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="allow the tokenizer folder's own Python code (auto_map, e.g. Kimi-K2.5's "
+        "tokenization_kimi.py) to run when regen loads it; never on unless set",
+    )
 
     @model_validator(mode="after")
     def _generate_needs_tokenizer(self) -> TargetSpec:

@@ -60,9 +60,17 @@ class PoolConfig(BaseModel):
     breaker_probe_max_s: float = Field(default=15.0, gt=0)
 
     stream: bool = True
-    # The server runs with --incremental-streaming-output: stream events carry deltas, not totals.
-    incremental_stream: bool = False
+    # Whether /generate stream events carry deltas (SGLang's --incremental-streaming-output) or totals.
+    # auto: from /server_info's `incremental_streaming_output`, else detected from the chunks; a set
+    # mode is still checked on every stream (a mismatch is a retryable StreamModeError, never a
+    # truncated answer). true/false are read as incremental/cumulative.
+    incremental_stream: Literal["auto", "cumulative", "incremental"] = "auto"
     health_check_on_start: bool = True
+
+    @field_validator("incremental_stream", mode="before")
+    @classmethod
+    def _stream_bool(cls, v):
+        return {True: "incremental", False: "cumulative"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("endpoints")
     @classmethod

@@ -37,6 +37,7 @@ from regen_service.client.http import (
     Completion,
     ConnectionRefusedRetryable,
     RetryableError,
+    StreamModeError,
     dump_body,
     make_session,
     raise_for_status,
@@ -82,6 +83,8 @@ class Endpoint:
         self.context_length: int | None = None
         self.max_input_len: int | None = None
         self.server_info: dict = {}
+        # /generate stream mode: the config's, or (auto) /server_info's, or "auto" = detect per stream
+        self.stream_mode: str = config.incremental_stream
         self.inflight = 0
         self.healthy = False
         self.ejected = False
@@ -245,6 +248,7 @@ class Endpoint:
                 info = _json_body(body)
                 break
         self.server_info = info
+        self.stream_mode = self._stream_mode(info)
         self.context_length = info.get("context_length") or self.context_length
         self.max_input_len = info.get("max_req_input_len")
         running = info.get("max_running_requests")
@@ -258,6 +262,13 @@ class Endpoint:
                 old, self._data = self._data, self._data_client()
                 if old is not None:
                     await old.close()
+
+    def _stream_mode(self, info: dict) -> str:
+        """SGLang's /server_info lists its server args, `incremental_streaming_output` among them."""
+        if self.config.incremental_stream != "auto":
+            return self.config.incremental_stream
+        flag = info.get("incremental_streaming_output")
+        return ("incremental" if flag else "cumulative") if isinstance(flag, bool) else "auto"
 
     # --- breaker -----------------------------------------------------------------------------
     def record_success(self) -> None:
@@ -371,7 +382,7 @@ class Endpoint:
     async def _stream(self, url: str, api: str, body: dict) -> Completion:
         c = self.config
         if api == "generate":
-            acc = GenerateStream(self.label, c.incremental_stream, max_bytes=c.max_reply_bytes)
+            acc = GenerateStream(self.label, self.stream_mode, max_bytes=c.max_reply_bytes)
         elif api == "completions":
             acc = CompletionsStream(self.label, Timer())
         else:
@@ -383,21 +394,28 @@ class Endpoint:
             except SHAPE_ERRORS as e:  # an event of the wrong shape (classified errors pass through)
                 raise malformed(e, self.label) from None
 
-        async with self._data.post(
-            url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
-        ) as resp:
-            if resp.status != 200:
-                raise_for_status(
-                    resp.status, await read_limited(resp, c.max_reply_bytes, self.label), self.label
-                )
-            await read_sse(resp.content, c.stall_timeout_s, self.label, feed, max_line_bytes=c.max_reply_bytes,
-                           max_events=max_events(body, c.stream_slack_events))  # fmt: skip
         try:
-            c = acc.result()
-            check_shape(c)
+            async with self._data.post(
+                url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
+            ) as resp:
+                if resp.status != 200:
+                    raise_for_status(
+                        resp.status, await read_limited(resp, c.max_reply_bytes, self.label), self.label
+                    )
+                await read_sse(resp.content, c.stall_timeout_s, self.label, feed, max_line_bytes=c.max_reply_bytes,
+                               max_events=max_events(body, c.stream_slack_events))  # fmt: skip
+        except StreamModeError:
+            # The server's mode is not what we believed (restarted with another flag): detect it from
+            # the chunks from now on; the retry then folds the stream right.
+            if c.incremental_stream == "auto":
+                self.stream_mode = "auto"
+            raise
+        try:
+            done = acc.result()
+            check_shape(done)
         except SHAPE_ERRORS as e:
             raise malformed(e, self.label) from None
-        return c
+        return done
 
 
 def _json_body(raw: bytes):

@@ -61,6 +61,11 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int, endpoint: str) 
     return b"".join(chunks)
 
 
+class StreamModeError(RetryableError):
+    """A /generate stream that fits neither totals nor deltas as announced (the server's stream mode is
+    not what the endpoint believed): the endpoint falls back to detecting it, and the request is retried."""
+
+
 @dataclass
 class Completion:
     """One answered request, as the server sent it (text raw; output_ids untouched)."""

@@ -2,7 +2,8 @@
 
 `sse_events` turns the response's lines into JSON objects, ending at `data: [DONE]`, and raises
 StallError when no line arrives for stall_timeout_s. `GenerateStream` folds native /generate events
-(cumulative by default, deltas with --incremental-streaming-output); `ChatStream` folds OpenAI chat
+(cumulative by default, deltas with --incremental-streaming-output; the mode is checked on the chunks
+themselves, never trusted blindly); `ChatStream` folds OpenAI chat
 chunks (content, reasoning_content and tool-call deltas, the usage chunk). Errors inside events are
 classified by http.py. Splitting thinking from the answer is chat_template.py's job.
 """
@@ -20,6 +21,7 @@ from regen_service.client.http import (
     ReplyTooLargeError,
     RetryableError,
     StallError,
+    StreamModeError,
     check_abort,
     event_error,
     finish_type,
@@ -192,31 +194,89 @@ class Timer:
 
 
 class GenerateStream:
-    """Folds native /generate events into a Completion (exact output_ids, raw text)."""
+    """Folds native /generate events into a Completion (exact output_ids, raw text).
 
-    def __init__(self, endpoint: str, incremental: bool, max_bytes: int | None = None) -> None:
+    SGLang sends totals by default and deltas under --incremental-streaming-output. `mode` is what the
+    endpoint knows ("cumulative"/"incremental": config or /server_info; "auto": unknown). The chunks are
+    checked either way: cumulative chunks must extend the previous one, and the folded ids must number
+    the chunk's meta_info.completion_tokens (SGLang's len(req.output_ids), sent with every chunk). In
+    auto mode both folds are kept until that count (or, without counts, three growing chunks that each
+    extend the last) tells them apart; the delta fold is then dropped so memory stays linear. A stream
+    that fits neither fold raises StreamModeError: never a truncated or doubled answer."""
+
+    _SETTLE_CHUNKS = 3
+
+    def __init__(self, endpoint: str, mode: str = "auto", max_bytes: int | None = None) -> None:
         self.endpoint = endpoint
-        self.incremental = incremental
+        self.mode = mode
         self.max_bytes = max_bytes
-        self.text = ""
+        self.cat_size = 0  # bytes held by the delta fold (the cumulative one is bounded per line)
+        self.text = ""  # cumulative fold: the last totals
         self.ids: list[int] = []
+        self.cat_text: list[str] = []  # incremental fold: deltas joined (not kept once cumulative)
+        self.cat_ids: list[int] = []
+        self.grown = 0
+        self.chunks = 0
+        self.saw_ids = False
         self.meta: dict = {}
         self.timer = Timer()
+
+    def _error(self, what: str) -> StreamModeError:
+        return StreamModeError(f"{self.endpoint}: /generate {what}", endpoint=self.endpoint)
 
     def feed(self, event: dict) -> None:
         if "error" in event:
             raise event_error(event["error"], self.endpoint)
-        text, ids = event.get("text") or "", event.get("output_ids")
-        if self.incremental:
-            self.text += text
-            self.ids.extend(ids or [])
-            _bound(len(self.text) + 8 * len(self.ids), self.max_bytes, self.endpoint)
-        else:
-            self.text = text or self.text
-            self.ids = list(ids) if ids is not None else self.ids
-        if self.ids or self.text:
+        text, raw_ids = event.get("text") or "", event.get("output_ids")
+        meta = event.get("meta_info") or {}
+        self.chunks += 1
+        self.saw_ids = self.saw_ids or raw_ids is not None
+        # a server that sends no ids (text only) is folded by text alone, as before
+        ids = list(raw_ids) if raw_ids is not None else (self.ids if self.mode != "incremental" else [])
+        if self.mode != "incremental":
+            if ids[: len(self.ids)] == self.ids and text.startswith(self.text):
+                self.grown += len(ids) > len(self.ids)
+                self.text, self.ids = text, ids
+            elif self.mode == "cumulative":
+                raise self._error(
+                    f"chunk {self.chunks} does not extend the previous one: the stream carries deltas, "
+                    "not the totals expected (server restarted with --incremental-streaming-output?)"
+                )
+            else:
+                self.mode = "incremental"  # auto: the cumulative shape is broken
+        if self.mode != "cumulative":
+            self.cat_text.append(text)
+            self.cat_ids.extend(ids)
+            self.cat_size += len(text) + 8 * len(ids)
+            _bound(self.cat_size, self.max_bytes, self.endpoint)
+        self._check(meta.get("completion_tokens") if raw_ids is not None else None)
+        if ids or text:
             self.timer.token()
-        self.meta = event.get("meta_info") or self.meta
+        self.meta = meta or self.meta
+
+    def _check(self, count) -> None:
+        """Hold the folds to the server's running count; in auto mode, settle the mode by it."""
+        if not isinstance(count, int):
+            if self.mode == "auto" and self.grown >= self._SETTLE_CHUNKS:
+                self.mode, self.cat_ids, self.cat_text = "cumulative", [], []
+            return
+        fits_total = self.mode != "incremental" and len(self.ids) == count
+        fits_delta = self.mode != "cumulative" and len(self.cat_ids) == count
+        if self.mode == "auto" and fits_total != fits_delta:
+            self.mode = "cumulative" if fits_total else "incremental"
+            if fits_total:
+                self.cat_ids, self.cat_text = [], []
+        elif not (fits_total or fits_delta):
+            got = len(self.ids) if self.mode == "cumulative" else len(self.cat_ids)
+            raise self._error(
+                f"chunk {self.chunks}: folded as {self.mode} it holds {got} output ids but the server "
+                f"counted {count} (its stream mode is not the one expected)"
+            )
+
+    def _folded(self) -> tuple[str, list[int]]:
+        if self.mode == "incremental":
+            return "".join(self.cat_text), self.cat_ids
+        return self.text, self.ids  # cumulative, or auto with both folds equal (or no count to tell)
 
     def result(self) -> Completion:
         fr = self.meta.get("finish_reason")
@@ -225,7 +285,10 @@ class GenerateStream:
                 f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint
             )
         check_abort(fr, self.endpoint)
-        return self.timer.finish(generate_completion(self.text, self.ids, self.meta, self.endpoint))
+        text, ids = self._folded()
+        return self.timer.finish(
+            generate_completion(text, ids if self.saw_ids else None, self.meta, self.endpoint)
+        )
 
 
 def generate_completion_from_body(body: dict, endpoint: str) -> Completion:

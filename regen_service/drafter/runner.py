@@ -36,6 +36,7 @@ from regen_service.drafter.train import DraftTrainer, draft_config_for
 from regen_service.drafter.vocab import VocabCounter, build_vocab, coverage
 from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
+from regen_service.remote_code import load_tokenizer, require_opt_in
 from regen_service.settings import Settings
 from regen_service.storage import RunLayout, Storage
 
@@ -44,6 +45,7 @@ from regen_service.storage import RunLayout, Storage
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError)
 
 log = logging.getLogger(__name__)
+TRUST_SETTING = "regen train --trust-remote-code (or trust_remote_code: true in train.yaml)"
 
 
 def make_target(path: str, cfg: TrainConfig, device):
@@ -59,7 +61,7 @@ def make_target(path: str, cfg: TrainConfig, device):
             num_parallel_requests=cfg.target_num_parallel_requests,
             request_timeout_s=cfg.target_request_timeout_s,
         )
-    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids)
+    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids, trust_remote_code=cfg.trust_remote_code)
 
 
 def train_from_run(
@@ -89,6 +91,7 @@ class _Run:
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
+        require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)  # before any work
         self.target = make_target(target_path, cfg, ctx.device)
         self.target_path = target_path
         self._renderer = None
@@ -131,18 +134,28 @@ class _Run:
     # --- shards -------------------------------------------------------------------------------------
     def _renderer_factory(self):
         if self._renderer is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.target_path, local_files_only=True)
+            tok = load_tokenizer(
+                self.target_path, trust_remote_code=self.cfg.trust_remote_code, setting=TRUST_SETTING
+            )
             self._renderer = D.ChatRenderer(tok)
         return self._renderer
+
+    def _samples(self) -> str:
+        if self.cfg.samples == "auto":  # follow what the target's template does, decided once
+            per_gen = self._renderer_factory().drops_thinking
+            self.cfg = self.cfg.model_copy(
+                update={"samples": "per_generation" if per_gen else "conversation"}
+            )
+            log.info("training samples: %s (from the target's chat template)", self.cfg.samples)
+        return self.cfg.samples
 
     def _examples(self, ref: ShardRef) -> list[D.Example] | None:
         """The shard's examples, read from our own data root; None (recorded, acked) if unreadable."""
         path = RunLayout(self.storage, ref.run_id).output_shard(ref.shard_id)
+        samples = self._samples()  # a tokenizer that cannot load is the config's fault, not the shard's
         try:
             examples, stats = D.table_examples(
-                self.storage.read_table(path), self._renderer_factory, self.cfg.max_length
+                self.storage.read_table(path), self._renderer_factory, self.cfg.max_length, samples
             )
         except _UNREADABLE as e:
             if not self.ctx.is_main:

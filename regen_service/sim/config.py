@@ -20,7 +20,6 @@ FIXED_AT_START = frozenset(
         "model",
         "tokenizer_path",
         "hf_model_path",
-        "incremental_streaming_output",
         "api_key",
     }
 )
