@@ -94,7 +94,17 @@ def _roundtrip(tmp_path, rows):
 
 @pytest.mark.parametrize("tools", [False, True], ids=["chat-turns", "tool-task"])
 def test_every_trained_token_was_produced_in_exactly_that_context(kimi_dir, kimi_tok, tmp_path, tools):
-    args = ("--tokenizer", str(kimi_dir), "--decode-tok-s", "0", "--think-prob", "1", "--tool-call-prob", "1")
+    args = (
+        "--tokenizer",
+        str(kimi_dir),
+        "--trust-remote-code",
+        "--decode-tok-s",
+        "0",
+        "--think-prob",
+        "1",
+        "--tool-call-prob",
+        "1",
+    )
     records = _tool_records(3) if tools else _records(3)
     with sim_server(*FAST, *args) as url:
         rows, _ = asyncio.run(
@@ -125,7 +135,7 @@ def test_every_trained_token_was_produced_in_exactly_that_context(kimi_dir, kimi
 
 
 def test_chat_rows_are_rendered_per_generation(kimi_dir, kimi_tok, tmp_path):
-    args = ("--tokenizer", str(kimi_dir), "--decode-tok-s", "0", "--think-prob", "1")
+    args = ("--tokenizer", str(kimi_dir), "--trust-remote-code", "--decode-tok-s", "0", "--think-prob", "1")
     with sim_server(*FAST, *args) as url:
         rows, _ = asyncio.run(regenerate_all([url], _records(2), mix=_mix(kimi_dir, "chat"), tokenizer=None))
     table = _roundtrip(tmp_path, rows)

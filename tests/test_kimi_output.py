@@ -111,7 +111,17 @@ def test_strip_keeps_reasoning_in_the_requests_of_an_in_progress_tool_task(kimi_
         )
         for i in range(4)
     ]
-    args = ("--tokenizer", str(kimi_dir), "--decode-tok-s", "0", "--think-prob", "1", "--tool-call-prob", "1")
+    args = (
+        "--tokenizer",
+        str(kimi_dir),
+        "--trust-remote-code",
+        "--decode-tok-s",
+        "0",
+        "--think-prob",
+        "1",
+        "--tool-call-prob",
+        "1",
+    )
     with sim_server(*FAST, *args) as url:
         keep, _ = asyncio.run(regenerate_all([url], records, mix=_mix(kimi_dir, "keep"), tokenizer=tok))
         strip, _ = asyncio.run(regenerate_all([url], records, mix=_mix(kimi_dir, "strip"), tokenizer=tok))
