@@ -3,7 +3,8 @@
 For `api: generate` regen renders the prompt itself with the target tokenizer's chat template, so
 the ids the server sees are exactly those the trainer will see. Raw output text follows Kimi-K2.5's
 format: the generation prompt ends with `<think>` (thinking on) or `<think></think>` (off), so the
-text is `reasoning</think>answer`, and tool calls are
+text is `reasoning</think>answer` (or reasoning running straight into a tool-call section), split
+the way SGLang's `kimi_k2` reasoning and tool-call parsers split it, and tool calls are
 `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
 <|tool_call_end|><|tool_calls_section_end|>`. Loading the tokenizer is the worker's job.
 """
@@ -20,10 +21,12 @@ THINK_START = "<think>"
 STOP_TEXT = "<|im_end|>"
 CALLS_BEGIN = "<|tool_calls_section_begin|>"
 CALLS_END = "<|tool_calls_section_end|>"
+# SGLang's KimiK2Detector patterns (python/sglang/srt/function_call/kimik2_detector.py): no DOTALL,
+# so arguments spread over several lines are not a call there, and not here either.
 _CALL = re.compile(
-    r"<\|tool_call_begin\|>\s*(?P<id>.*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)\s*<\|tool_call_end\|>",
-    re.S,
+    r"<\|tool_call_begin\|>\s*(?P<id>[\w\.]+:\d+)\s*<\|tool_call_argument_begin\|>\s*(?P<args>\{.*?\})\s*<\|tool_call_end\|>"
 )
+_CALL_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w\.]+):(?P<index>\d+)$")
 
 
 def message_dict(m: Message) -> dict:
@@ -66,34 +69,43 @@ def prompt_ids(
     return [int(i) for i in ids]
 
 
-def split_thinking(text: str, *, prompt_opens_think: bool, truncated: bool) -> tuple[str | None, str]:
-    """(reasoning, answer) from raw text; like SGLang's kimi_k2 parser, everything before `</think>`
-    is reasoning. With no `</think>`, the text is all reasoning only when the prompt opened `<think>`
-    and the answer was cut by the length limit (thinking never ended); otherwise it is all answer."""
+def split_thinking(text: str, *, prompt_opens_think: bool) -> tuple[str | None, str]:
+    """(reasoning, answer) from raw text, as SGLang's `kimi_k2` reasoning parser splits it
+    (KimiK2Detector.detect_and_parse): the text is reasoning when the prompt opened `<think>` (SGLang's
+    force_reasoning) or the text itself has `<think>`; leading `<think>`s are dropped; reasoning ends at
+    the first `</think>`, or, when `</think>` never came, at `<|tool_calls_section_begin|>` (which stays
+    in the answer for the tool-call parser); with neither marker it is all reasoning. A trailing
+    `<|im_end|>` (the stop token, kept by skip_special_tokens=False) is not part of either."""
+    text = text.removesuffix(STOP_TEXT)
+    if not (prompt_opens_think or THINK_START in text):
+        return None, text
+    while text.startswith(THINK_START):
+        text = text[len(THINK_START) :]
     if THINK_END in text:
         reasoning, answer = text.split(THINK_END, 1)
-        if reasoning.startswith(THINK_START):
-            reasoning = reasoning[len(THINK_START) :]
         return reasoning, answer
-    if text.startswith(THINK_START) or (prompt_opens_think and truncated):
-        return text.removeprefix(THINK_START), ""
-    return None, text
+    at = text.find(CALLS_BEGIN)
+    if at >= 0:
+        return text[:at], text[at:]
+    return text, ""
 
 
 def parse_tool_calls(answer: str) -> tuple[str, list[ToolCall] | None]:
-    """(content, tool calls) from the answer part of raw Kimi output; the stop marker is dropped."""
-    if answer.endswith(STOP_TEXT):
-        answer = answer[: -len(STOP_TEXT)]
+    """(content, tool calls) from the answer part of raw Kimi output, as SGLang's `kimi_k2` tool parser
+    (KimiK2Detector.detect_and_parse) reads it: content is what precedes `<|tool_calls_section_begin|>`;
+    each call is `<|tool_call_begin|>ID<|tool_call_argument_begin|>{json}<|tool_call_end|>` with ID
+    `[functions.]NAME:INDEX` (the name without its `functions.` prefix and index). The stop marker is
+    dropped; calls that do not match the pattern are not calls, as in SGLang."""
+    answer = answer.removesuffix(STOP_TEXT)
     if CALLS_BEGIN not in answer:
         return answer, None
-    content, section = answer.split(CALLS_BEGIN, 1)
-    section = section.split(CALLS_END, 1)[0]
+    content = answer[: answer.find(CALLS_BEGIN)]
     calls = []
-    for m in _CALL.finditer(section):
-        call_id = m.group("id")
-        # "functions.get_weather:0" -> get_weather
-        name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
-        calls.append(ToolCall(id=call_id, name=name, arguments=m.group("args").strip() or "{}"))
+    for m in _CALL.finditer(answer):
+        name = _CALL_ID.match(m.group("id"))
+        if name is None:
+            continue
+        calls.append(ToolCall(id=m.group("id"), name=name.group("name"), arguments=m.group("args")))
     return content, calls or None
 
 

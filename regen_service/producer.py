@@ -14,6 +14,7 @@ from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
 from regen_service.prepare import prepare_run, run_id_for
 from regen_service.queue import make_celery, send_shard
+from regen_service.remote_code import require_opt_in
 from regen_service.reuse import plan_reuse
 from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict, resolved_mix_path
 from regen_service.settings import Settings
@@ -41,6 +42,9 @@ def prepare_or_load(
     settings: Settings, mix_path: str | Path, *, reuse: bool = True
 ) -> tuple[RunLayout, RunManifest]:
     mix = load_mix(mix_path)
+    if mix.target.api == "generate" and mix.target.tokenizer and Path(mix.target.tokenizer).is_dir():
+        # The workers will load it: say now, not on the first shard, that it needs the opt-in.
+        require_opt_in(mix.target.tokenizer, mix.target.trust_remote_code, "target.trust_remote_code: true")
     run_id = run_id_for(mix)
     storage = Storage(settings.data_root_resolved)
     layout = RunLayout(storage, run_id)

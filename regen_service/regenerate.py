@@ -11,12 +11,19 @@ or made calls the dataset has no results for, the conversation stops there: the 
 target's answer, because anything later answers a conversation the target did not have, and keeping
 the dataset's turn would put non-target text where the trainer expects the target's.
 
-Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept.
-Writing rows (run_id, reused_from, Parquet) is the worker's job.
+Every request carries the target's full history, reasoning included (the template decides what it
+shows); `thinking: strip` drops reasoning from the stored row only. api generate turns record the
+exact prompt ids they were generated from (`prompt_len`/`prompt_ids`), for per-generation training.
+
+Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept,
+their text scrubbed of secrets (client.auth.scrub_secrets). EndpointTerminalError (every endpoint
+refused the key or serves another model) is not the row's fault and propagates: the worker hands the
+shard back rather than finalizing it. Writing rows (run_id, reused_from, Parquet) is the worker's job.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from regen_service.chat_template import (
@@ -26,9 +33,10 @@ from regen_service.chat_template import (
     prompt_ids,
     split_thinking,
 )
+from regen_service.client.auth import scrub_secrets
 from regen_service.client.http import Completion
 from regen_service.client.pool import EndpointPool
-from regen_service.errors import ConfigError, EndpointTerminalError, RetriesExhaustedError, RowTerminalError
+from regen_service.errors import ConfigError, RetriesExhaustedError, RowTerminalError
 from regen_service.rows import message_to_arrow, tools_to_json
 from schemas.conversation import Message, PromptRecord
 from schemas.mix import MixSpec
@@ -58,16 +66,18 @@ class Regenerator:
         """One assistant turn: the completion, the message to store, and (generate) the prompt ids."""
         s = self.mix.sampling
         if self.api == "generate":
-            ids = prompt_ids(self.tokenizer, history, tools, thinking=self.thinking != "off")
+            # Rendering and tokenizing a long conversation takes seconds: never on the event loop,
+            # where it would stall every other request (and the lease heartbeat) of the worker.
+            ids = await asyncio.to_thread(
+                prompt_ids, self.tokenizer, history, tools, thinking=self.thinking != "off"
+            )
             params = {**self._sampling(), "max_new_tokens": s.max_new_tokens, "skip_special_tokens": False}
             if s.seed is not None:
                 params["sampling_seed"] = s.seed
             c = await self.pool.complete(
                 "generate", {"input_ids": ids, "sampling_params": params}, prompt_len=len(ids)
             )
-            reasoning, answer = split_thinking(
-                c.text, prompt_opens_think=self.thinking != "off", truncated=c.finish_reason == "length"
-            )
+            reasoning, answer = split_thinking(c.text, prompt_opens_think=self.thinking != "off")
             content, calls = parse_tool_calls(answer)
         else:
             ids = None
@@ -88,13 +98,16 @@ class Regenerator:
             reasoning, content, calls = c.reasoning_content, c.content or "", c.tool_calls
             if reasoning is None and "</think>" in content:
                 # The server runs without a reasoning parser: split it here the same way.
-                reasoning, content = split_thinking(content, prompt_opens_think=True, truncated=False)
+                reasoning, content = split_thinking(content, prompt_opens_think=True)
             # Raw text as generated after the prompt's `<think>`: reasoning, `</think>`, answer.
             c.text = f"{reasoning}</think>{content}" if reasoning is not None else content
+        # The reasoning stays in the history later requests carry, even under `thinking: strip`: the
+        # template keeps it for in-progress tool-call turns, so the target must see it there. What
+        # `strip` drops is dropped from the stored row only (_finish).
         msg = Message(
             role="assistant",
             content=content,
-            reasoning_content=reasoning if self.thinking != "strip" else None,
+            reasoning_content=reasoning,
             tool_calls=tuple(calls) if calls else None,
         )
         return c, msg, ids
@@ -119,6 +132,7 @@ class Regenerator:
         history: list[Message] = []
         turns: list[dict] = []
         outputs: list[list[int]] = []
+        prompts: list[list[int] | None] = []  # per turn: the prompt ids it was generated from
         last_ids: list[int] | None = None
         t0 = time.monotonic()
         i = 0
@@ -132,6 +146,7 @@ class Regenerator:
                 c, msg, ids = await self._ask(history, conv.tools)
                 history.append(msg)
                 turns.append(self._turn(len(history) - 1, c))
+                prompts.append(ids if c.output_ids is not None else None)
                 if c.output_ids is not None:
                     outputs.append(list(c.output_ids))
                     last_ids = ids
@@ -144,12 +159,11 @@ class Regenerator:
                     break  # the target's turn and the dataset's continuation disagree: stop here
                 history.extend(_repoint(tools_after, msg))
         except RowTerminalError as e:
-            row.update(error=str(e), error_class="terminal_row")
+            row.update(error=scrub_secrets(str(e)), error_class="terminal_row")
         except RetriesExhaustedError as e:
-            row.update(error=str(e), error_class="retries_exhausted")
-        except EndpointTerminalError as e:
-            row.update(error=str(e), error_class="terminal_endpoint")
-        self._finish(row, history, turns, outputs, last_ids, conv.tools, time.monotonic() - t0)
+            row.update(error=scrub_secrets(str(e)), error_class="retries_exhausted")
+        self._finish(row, history, turns, outputs, last_ids, time.monotonic() - t0)
+        _attach_prompts(row, turns, prompts)
         return row
 
     # --- row ---------------------------------------------------------------------------------
@@ -184,8 +198,14 @@ class Regenerator:
             "attempts": c.attempts,
         }
 
-    def _finish(self, row, history, turns, outputs, last_ids, tools, elapsed_s: float) -> None:
+    def _finish(self, row, history, turns, outputs, last_ids, elapsed_s: float) -> None:
         speeds = [t["decode_tok_s"] for t in turns if t["decode_tok_s"] is not None]
+        if self.thinking == "strip":
+            answered = {t["message_index"] for t in turns}
+            history = [
+                m.model_copy(update={"reasoning_content": None}) if i in answered else m
+                for i, m in enumerate(history)
+            ]
         row.update(
             messages=[message_to_arrow(m) for m in history],
             turns=turns,
@@ -204,6 +224,17 @@ class Regenerator:
         if last_ids is not None and outputs:
             row["input_ids"] = last_ids + outputs[-1]
             row["loss_mask"] = loss_mask_for(last_ids, outputs[-1], outputs[:-1])
+
+
+def _attach_prompts(row: dict, turns: list[dict], prompts: list[list[int] | None]) -> None:
+    """Each generate turn's exact prompt: its length, and its ids where they are not a prefix of the
+    row's input_ids (an earlier turn whose later re-rendering changed, e.g. dropped its thinking)."""
+    final = row.get("input_ids") or []
+    for turn, ids in zip(turns, prompts, strict=True):
+        if ids is None:
+            turn.update(prompt_len=None, prompt_ids=None)
+            continue
+        turn.update(prompt_len=len(ids), prompt_ids=None if final[: len(ids)] == ids else ids)
 
 
 def _repoint(tool_msgs: list[Message], call_msg: Message) -> list[Message]:

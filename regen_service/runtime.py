@@ -22,6 +22,7 @@ from regen_service.client.config import PoolConfig
 from regen_service.client.pool import EndpointPool
 from regen_service.loops import new_event_loop
 from regen_service.regenerate import Regenerator
+from regen_service.remote_code import load_tokenizer
 from regen_service.settings import Settings
 from schemas.mix import MixSpec
 
@@ -75,6 +76,9 @@ class WorkerConfig(BaseModel):
     stream: bool = True
     engine: Literal["auto", "sglang", "vllm"] = "auto"
     stall_timeout_s: float = Field(default=60.0, gt=0)
+    request_timeout_s: float | None = Field(default=3600.0, gt=0)
+    max_reply_bytes: int = Field(default=16 << 20, ge=1024)
+    stream_slack_events: int = Field(default=256, ge=1)
     max_attempts: int = Field(default=6, ge=1)
     flush_rows: int = Field(default=64, ge=1)
     flush_interval_s: float = Field(default=1.0, gt=0)
@@ -89,6 +93,9 @@ class WorkerConfig(BaseModel):
             stream=self.stream,
             engine=self.engine,
             stall_timeout_s=self.stall_timeout_s,
+            request_timeout_s=self.request_timeout_s,
+            max_reply_bytes=self.max_reply_bytes,
+            stream_slack_events=self.stream_slack_events,
             max_attempts=self.max_attempts,
         )
 
@@ -101,7 +108,7 @@ class WorkerRuntime:
         self._thread = threading.Thread(target=self._run_loop, name="regen-loop", daemon=True)
         self._thread.start()
         self._pools: dict[str, EndpointPool] = {}
-        self._tokenizers: dict[str, object] = {}
+        self._tokenizers: dict[tuple[str, bool], object] = {}
         self._budgets: dict[str, InflightBudget] = {}
         self._lock = threading.Lock()
 
@@ -136,11 +143,14 @@ class WorkerRuntime:
         if mix.target.api != "generate" or not path:
             return None
         with self._lock:
-            if path not in self._tokenizers:
-                from transformers import AutoTokenizer
-
-                self._tokenizers[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            return self._tokenizers[path]
+            key = (path, mix.target.trust_remote_code)
+            if key not in self._tokenizers:
+                self._tokenizers[key] = load_tokenizer(
+                    path,
+                    trust_remote_code=mix.target.trust_remote_code,
+                    setting="target.trust_remote_code: true",
+                )
+            return self._tokenizers[key]
 
     def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, InflightBudget]:
         pool, sem = self.pool_for(mix.target.model)

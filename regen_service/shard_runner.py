@@ -19,7 +19,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-from regen_service.errors import LeaseLostError
+from regen_service.errors import EndpointTerminalError, LeaseLostError
 from regen_service.ledger import Ledger
 from regen_service.metrics import SHARDS_FINISHED, SHARDS_IN_PROGRESS, count_row
 from regen_service.reuse import reused_rows
@@ -163,10 +163,18 @@ def process_shard(
         ledger.set_shard_state(run_id, shard_id, "running")
         record_progress(ledger, run_id, shard_id, prog)
         num_skipped = len(prog.rows)
-        regenerator, sem = runtime.regenerator_for(mix)
-        runtime.call(
-            _answer_all(runtime, ledger, run_id, shard_id, owner, todo, prog, shard_log, regenerator, sem)
-        )
+        try:
+            regenerator, sem = runtime.regenerator_for(mix)  # a pool whose endpoints all refuse raises here
+            runtime.call(
+                _answer_all(runtime, ledger, run_id, shard_id, owner, todo, prog, shard_log, regenerator, sem)
+            )
+        except EndpointTerminalError:
+            # No endpoint will take this worker's requests (bad key, wrong model): keep the rows
+            # answered so far, leave the shard unfinished and queued; the task hands it back.
+            shard_log.close()
+            record_progress(ledger, run_id, shard_id, prog)
+            ledger.set_shard_state(run_id, shard_id, "queued")
+            raise
         shard_log.close()
         ordered = [prog.rows[r.prompt_id] for r in records if r.prompt_id in prog.rows]
         if len(ordered) != len(records):  # pragma: no cover - every prompt yields a row, error or not
@@ -237,6 +245,13 @@ async def _answer_all(
         waiter = asyncio.gather(*tasks)
         lost_wait = asyncio.create_task(lost.wait())
         _done, _ = await asyncio.wait({waiter, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter.done() and waiter.exception() is not None:
+            # One prompt raised (EndpointTerminalError): stop the others before the shard is handed back.
+            lost_wait.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise waiter.exception()
         if lost.is_set():
             for t in tasks:
                 t.cancel()

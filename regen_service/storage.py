@@ -12,6 +12,11 @@ Storage is the truth of a run (the ledger in Redis is a cache of it). The layout
 Every file is written under a temporary name in the same folder and renamed into place. Local paths
 and any fsspec URL work; on object stores (no atomic rename) the final copy is still all-or-nothing
 per object. What to write is the caller's business.
+
+Ids and paths from outside (a CLI argument, a Celery message, a directory listing) are untrusted:
+`check_run_id` is the one validator of run ids (the producer's own pattern: the mix name's characters,
+`<name>-<12 hex>`), RunLayout refuses any other, and `Storage.path` refuses a part that could leave
+the data root (`..`, `.`, a separator, an absolute path), so no id can make a worker write elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -26,7 +32,33 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from regen_service.errors import ConfigError
 from schemas.tables import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+
+# What run_id_for produces: the mix name (schemas.mix NAME_PATTERN) + "-" + 12 hex digits. Tests and
+# older runs use shorter names of the same characters, so the suffix is not required; no '.' or '/'.
+RUN_ID_PATTERN = re.compile(r"[a-z0-9_-]{1,128}")
+
+
+class BadRunIdError(ConfigError):
+    """A run id that is not one the producer could have made (and could name a path elsewhere)."""
+
+
+def check_run_id(run_id: object) -> str:
+    """`run_id` if the producer could have made it; else BadRunIdError saying what a run id looks like."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise BadRunIdError(
+            f"invalid run id {str(run_id)[:200]!r}: a run id is the mix name and a hash as `regen enqueue` "
+            "prints it (lowercase letters, digits, '_' and '-', at most 128 characters, e.g. "
+            "my-mix-0123456789ab); `regen status` lists the runs"
+        )
+    return run_id
+
+
+def _check_part(part: str) -> str:
+    if not part or part in (".", "..") or "/" in part or "\\" in part or "\x00" in part:
+        raise ConfigError(f"refused storage path part {part!r}: it would leave the data root")
+    return part
 
 
 class Storage:
@@ -41,7 +73,8 @@ class Storage:
         self.url = root
 
     def path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
+        """root/part/part...: each part one plain name, so the result always lies under the root."""
+        return "/".join([self.root, *(_check_part(p) for p in parts)])
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
@@ -110,6 +143,9 @@ class RunLayout:
     storage: Storage
     run_id: str
 
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+
     @property
     def run_dir(self) -> str:
         return self.storage.path("runs", self.run_id)
@@ -140,4 +176,6 @@ class RunLayout:
         return f"{self.outputs_dir}/parts/shard-{shard_id:05d}"
 
     def list_runs(self) -> list[str]:
-        return [p.rsplit("/", 1)[1] for p in self.storage.ls(self.storage.path("runs"))]
+        """Run ids found under runs/ (a planted folder whose name is no run id is skipped)."""
+        names = [p.rsplit("/", 1)[1] for p in self.storage.ls(self.storage.path("runs"))]
+        return [n for n in names if RUN_ID_PATTERN.fullmatch(n)]

@@ -34,6 +34,11 @@ class TargetSpec(_Strict):
         default=None,
         description="local tokenizer path; required for api: generate (chat template client side)",
     )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="allow the tokenizer folder's own Python code (auto_map, e.g. Kimi-K2.5's "
+        "tokenization_kimi.py) to run when regen loads it; never on unless set",
+    )
 
     @model_validator(mode="after")
     def _generate_needs_tokenizer(self) -> TargetSpec:
@@ -64,13 +69,40 @@ class RegenerateSpec(_Strict):
     thinking: Thinking = "keep"
 
 
-class HFSourceSpec(BaseModel):
-    """Arguments for datasets.load_dataset; `path` and `split` are required, the rest passes through."""
+class HFSourceSpec(_Strict):
+    """Arguments for datasets.load_dataset: an allow-list, nothing else passes through.
 
-    model_config = ConfigDict(extra="allow")
+    Only options that select local data are accepted; anything that could run code is refused:
+    `trust_remote_code` by name (with a message saying why), dataset scripts by the `datasets>=4`
+    floor (script support was removed), and every other load_dataset keyword (features, download
+    and cache settings, builder kwargs) as an unknown field.
+    """
 
-    path: str
+    path: str = Field(min_length=1, description="a builder name (json, parquet, csv) or a local folder")
+    name: str | None = Field(default=None, description="the dataset configuration")
     split: str = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    data_dir: str | None = None
+    revision: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_remote_code(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "trust_remote_code" in data:
+            raise ValueError(
+                "trust_remote_code is refused: a source never runs code from a dataset repository; "
+                "convert the dataset to json/jsonl/parquet files and point `path` (or hf: {path: json, "
+                "data_files: ...}) at them. Allowed hf options: path, name, split, data_files, data_dir, "
+                "revision"
+            )
+        return data
+
+
+# Bounds on one row, checked while the source is read (a row over them is quarantined with the
+# reason). Kimi-K2.5's 256K-token context is about 1 MB of text: 4 MiB is far beyond any prompt it
+# can answer while keeping a planted 50 MB row from being tokenized at all.
+DEFAULT_MAX_ROW_BYTES = 4 << 20
+DEFAULT_MAX_NESTING_DEPTH = 64
 
 
 class SourceSpec(_Strict):
@@ -81,6 +113,12 @@ class SourceSpec(_Strict):
     max_samples: int | None = Field(default=None, ge=1)
     fields: dict[str, str] = Field(
         default_factory=dict, description="renames: {canonical_field: dataset_field}"
+    )
+    max_row_bytes: int = Field(
+        default=DEFAULT_MAX_ROW_BYTES, ge=1, description="a longer row is quarantined as too long"
+    )
+    max_nesting_depth: int = Field(
+        default=DEFAULT_MAX_NESTING_DEPTH, ge=2, le=1000, description="deeper JSON is quarantined"
     )
 
     @model_validator(mode="after")
@@ -166,6 +204,20 @@ def parse_mix(data: Any, *, where: str = "mix", base_dir: str | None = None) -> 
     return mix
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors and aliases: a mix never needs them, and an alias bomb (aliases
+    of aliases, a few hundred bytes expanding to gigabytes) is refused at its first alias."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise MixError(
+                f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a mix "
+                "file; write the value out in full"
+            )
+        return super().compose_node(parent, index)
+
+
 def load_mix(path: str | Path) -> MixSpec:
     """Read and validate a mix file; relative source paths resolve against its folder."""
     p = Path(path)
@@ -174,7 +226,9 @@ def load_mix(path: str | Path) -> MixSpec:
     except OSError as err:
         raise MixError(f"{p}: cannot read the mix file ({err.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_NoAliasLoader)
+    except MixError as err:
+        raise MixError(f"{p}: {err}") from None
     except yaml.YAMLError as err:
         raise MixError(f"{p}: not valid YAML: {err}") from None
     return parse_mix(data, where=str(p), base_dir=str(p.resolve().parent))

@@ -53,6 +53,11 @@ TURN = pa.struct(
         ("latency_s", pa.float64()),
         ("endpoint", pa.string()),
         ("attempts", pa.int32()),
+        # api generate: the exact prompt this turn was generated from (one training sample per
+        # generation): its length, and its ids unless they are the row's input_ids[:prompt_len]
+        # (null there, so single-turn rows store their prompt once). Null in rows written before.
+        ("prompt_len", pa.int32()),
+        ("prompt_ids", pa.list_(pa.int32())),
     ]
 )
 

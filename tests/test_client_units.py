@@ -74,14 +74,14 @@ def test_status_classification():
 
 def test_generate_stream_cumulative_and_incremental():
     meta_end = {"finish_reason": {"type": "stop", "matched": 7}, "prompt_tokens": 3, "completion_tokens": 3}
-    cum = GenerateStream("e", incremental=False)
+    cum = GenerateStream("e", "cumulative")
     for ev in (
         {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}},
         {"text": "ab", "output_ids": [1, 2], "meta_info": {"finish_reason": None}},
         {"text": "abc", "output_ids": [1, 2, 7], "meta_info": meta_end},
     ):
         cum.feed(ev)
-    inc = GenerateStream("e", incremental=True)
+    inc = GenerateStream("e", "incremental")
     for ev in (
         {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}},
         {"text": "b", "output_ids": [2], "meta_info": {"finish_reason": None}},
@@ -145,14 +145,14 @@ def test_chat_stream_deltas_tools_usage():
 
 def test_kimi_output_parsing_and_loss_mask():
     raw = 'hmm</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
-    reasoning, answer = split_thinking(raw, prompt_opens_think=True, truncated=False)
+    reasoning, answer = split_thinking(raw, prompt_opens_think=True)
     content, calls = parse_tool_calls(answer)
     assert reasoning == "hmm" and content == "Sure."
     assert [(c.id, c.name, c.arguments) for c in calls] == [
         ("functions.get_weather:0", "get_weather", '{"city": "Paris"}')
     ]
-    assert split_thinking("still thinking", prompt_opens_think=True, truncated=True) == ("still thinking", "")
-    assert split_thinking("plain", prompt_opens_think=False, truncated=False) == (None, "plain")
+    assert split_thinking("still thinking", prompt_opens_think=True) == ("still thinking", "")
+    assert split_thinking("plain", prompt_opens_think=False) == (None, "plain")
     assert loss_mask_for([9, 1, 2, 9, 3, 9], [4, 5], [[1, 2], [3], [8]]) == [0, 1, 1, 0, 1, 0, 1, 1]
 
 

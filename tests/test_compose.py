@@ -60,9 +60,23 @@ def test_services_and_profiles(compose):
 def test_redis_noeviction_persistent_password_health(compose):
     r = compose["services"]["redis"]
     cmd = " ".join(r["command"])
-    assert "--maxmemory-policy noeviction" in cmd and "--appendonly yes" in cmd and "--requirepass" in cmd
+    assert "--maxmemory-policy noeviction" in cmd and "--appendonly yes" in cmd
+    # the password comes from the Docker secret through a config file, never a command-line argument
+    assert "--requirepass" not in cmd and "requirepass" in cmd and "/run/secrets/redis_password" in cmd
+    assert r["secrets"] == ["redis_password"] and compose["secrets"]["redis_password"] == {
+        "environment": "REDIS_PASSWORD"
+    }
+    assert "environment" not in r  # not even in the container's environment
+    health = " ".join(r["healthcheck"]["test"])
+    assert "ping" in health and "REDISCLI_AUTH=" in health and " -a " not in health
     assert any(v.endswith(":/data") for v in r["volumes"])
-    assert "ping" in " ".join(r["healthcheck"]["test"])
+
+
+def test_published_ports_bind_to_the_operators_address(compose):
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports") or []:
+            assert port.startswith("${REGEN_BIND_ADDRESS:-127.0.0.1}:"), (name, port)
+    assert compose["services"]["flower"]["command"][-2:] == ["--address", "0.0.0.0"]
 
 
 def test_broker_clients_share_url_and_visibility_timeout(compose):
@@ -134,6 +148,15 @@ def test_docker_compose_config_accepts_it(tmp_path):
     assert (
         cfg["services"]["flower"]["environment"]["REGEN_REDIS_URL"] == "redis://:test-redis-pw@redis:6379/0"
     )
+    for name in ("redis", "flower", "sglang"):
+        assert [p["host_ip"] for p in cfg["services"][name]["ports"]] == ["127.0.0.1"], name
+    redis = cfg["services"]["redis"]
+    assert "test-redis-pw" not in json.dumps(
+        [redis["command"], redis["healthcheck"], redis.get("environment")]
+    )
+    r = subprocess.run([*cmd, *profiles, "config", "--format", "json"], cwd=tmp_path,
+                       env={**env, "REGEN_BIND_ADDRESS": "10.1.2.3"}, capture_output=True, text=True)  # fmt: skip
+    assert json.loads(r.stdout)["services"]["flower"]["ports"][0]["host_ip"] == "10.1.2.3"
     # Without the Redis password compose refuses, naming the fix.
     r = subprocess.run(
         [*cmd, "config", "-q"], cwd=tmp_path, env={"PATH": env["PATH"]}, capture_output=True, text=True

@@ -135,7 +135,14 @@ def test_table_examples_skip_errors_use_token_ids_and_truncate(renderer):
     table = output_table(rows)
     assert isinstance(table, pa.Table)
     examples, stats = D.table_examples(table, lambda: renderer, max_length=12)
-    assert stats == {"rows": 4, "errors": 1, "token_rows": 2, "template_rows": 1, "no_loss": 1}
+    assert stats == {
+        "rows": 4,
+        "errors": 1,
+        "token_rows": 2,
+        "template_rows": 1,
+        "no_loss": 1,
+        "generation_samples": 0,
+    }
     assert examples[1].ids.tolist() == list(range(10, 22)) and examples[1].mask.sum() == 7
     batch = D.collate(examples)
     assert batch["input_ids"].shape[0] == 2 and batch["attention_mask"][1].sum() == 12

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from regen_service.cli import main
+from regen_service.drafter.sglang_format import default_aux_inputs
 from tests.procs import regen_cmd
 
 H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 16
@@ -65,7 +66,7 @@ def make_checkpoint(out: Path, tensors: dict | None = None, step: int = 123) -> 
     state = {
         "draft_state_dict": tensors if tensors is not None else draft_tensors(),
         "draft_config": {**layer_config(), "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": H},
-        "aux_layer_ids": [2, LAYERS // 2, LAYERS - 3],
+        "aux_layer_ids": default_aux_inputs(LAYERS),
         "target_num_layers": LAYERS,
         "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]},
         "step": step,

@@ -60,7 +60,7 @@ def test_both_apis_stream_and_non_stream_agree(api, tok):
         streamed = _run(url, records, api, tok, stream=True)
         whole = _run(url, records, api, tok, stream=False)
     with sim_server(*FAST, *TOK_ARGS, "--think-prob", "0.5", "--incremental-streaming-output") as url:
-        incremental = _run(url, records, api, tok, stream=True, incremental_stream=True)
+        incremental = _run(url, records, api, tok, stream=True)  # mode from /server_info
     for rows in (streamed, whole, incremental):
         assert_all_answered(rows, 12)
     key = [

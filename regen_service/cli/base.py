@@ -1,4 +1,4 @@
-"""The `regen` click group; command modules attach their commands to it."""
+"""The `regen` click group; command modules attach their commands to it, and the run id check they share."""
 
 from __future__ import annotations
 
@@ -11,3 +11,15 @@ from regen_service import __version__
 @click.version_option(__version__, prog_name="regen")
 def main() -> None:
     """regen: regenerate EAGLE-3 draft training data with the target model, through Redis and Celery."""
+
+
+def run_id_param(_ctx, _param, value: str | None) -> str | None:
+    """Click callback: a RUN_ID argument or --run option must be one the producer could have made."""
+    from regen_service.storage import BadRunIdError, check_run_id
+
+    if value is None:
+        return None
+    try:
+        return check_run_id(value)
+    except BadRunIdError as e:
+        raise click.BadParameter(str(e)) from None

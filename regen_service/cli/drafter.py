@@ -12,11 +12,13 @@ import sys
 
 import click
 
-from regen_service.cli.base import main
+from regen_service.cli.base import main, run_id_param
 
 
 @main.command("train")
-@click.option("--run", "run_id", required=True, help="Run id whose output shards to train on.")
+@click.option(
+    "--run", "run_id", required=True, callback=run_id_param, help="Run id whose output shards to train on."
+)
 @click.option(
     "--target", "target_path", required=True, help="Local Hugging Face directory of the target model."
 )
@@ -42,6 +44,12 @@ from regen_service.cli.base import main
     help="target states from a local HF copy, or from a vLLM engine holding the target [config: hf]",
 )
 @click.option("--target-endpoint", default=None, help="the vLLM engine's URL (--target-backend vllm)")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    default=None,
+    help="Let the target folder's own Python code run (auto_map, e.g. Kimi-K2.5's tokenizer).",
+)
 def train_cmd(
     run_id,
     target_path,
@@ -53,6 +61,7 @@ def train_cmd(
     device,
     target_backend,
     target_endpoint,
+    trust_remote_code,
 ) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
     from regen_service.drafter.config import TrainConfig
@@ -63,7 +72,12 @@ def train_cmd(
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = TrainConfig.load(config_path, target_backend=target_backend, target_endpoint=target_endpoint)
+        cfg = TrainConfig.load(
+            config_path,
+            target_backend=target_backend,
+            target_endpoint=target_endpoint,
+            trust_remote_code=trust_remote_code or None,
+        )
         summary = train_from_run(
             settings,
             run_id,

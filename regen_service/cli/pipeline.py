@@ -10,13 +10,12 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 import click
 
-from regen_service.cli.base import main
+from regen_service.cli.base import main, run_id_param
 from regen_service.errors import ConfigError
-from regen_service.settings import Settings
+from regen_service.settings import Settings, redact_url
 from schemas.mix import MixError
 
 
@@ -28,6 +27,9 @@ def _settings() -> Settings:
 
 
 def _setup_logging(settings: Settings) -> None:
+    from regen_service.client.auth import install_log_scrubber
+
+    install_log_scrubber()  # no log line of this process carries an API key or a URL password
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
@@ -63,10 +65,16 @@ def enqueue(mix: str, as_json: bool, no_reuse: bool) -> None:
     click.echo(res.message, err=True)
 
 
-def read_api_key(env_var: str, key_file: str | None) -> str | None:
-    if key_file:
-        return Path(key_file).read_text(encoding="utf-8").strip() or None
-    return os.environ.get(env_var) or None
+def read_api_key(env_var: str, key_file: str | None):
+    """The endpoints' key: from --api-key-file (one line, stripped), else from the variable if set."""
+    from regen_service.client.auth import load_api_key
+
+    try:
+        if key_file:
+            return load_api_key(file=key_file)
+        return load_api_key(env_var=env_var) if os.environ.get(env_var) else None
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()
@@ -107,11 +115,20 @@ def read_api_key(env_var: str, key_file: str | None) -> str | None:
     help="what serves the endpoints: detected from their info paths, or forced (behind a proxy)",
 )
 @click.option("--stall-timeout-s", type=float, default=60.0, show_default=True)
+@click.option("--request-timeout-s", type=float, default=3600.0, show_default=True,
+              help="one request attempt, end to end; 0 for no limit")  # fmt: skip
+@click.option("--max-reply-bytes", type=int, default=16 << 20, show_default=True,
+              help="a larger non-streaming reply, error body or stream line is cut (retryable)")  # fmt: skip
+@click.option("--stream-slack-events", type=int, default=256, show_default=True,
+              help="a stream is cut once it sent this many events past max_new_tokens")  # fmt: skip
 @click.option("--max-attempts", type=int, default=6, show_default=True)
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+@click.option("--metrics-address", default="127.0.0.1", show_default=True,
+              help="address the metrics server binds (0.0.0.0: every interface)")  # fmt: skip
 @click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
 def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_key_file, no_stream, engine,
-           stall_timeout_s, max_attempts, metrics_port, hostname) -> None:  # fmt: skip
+           stall_timeout_s, request_timeout_s, max_reply_bytes, stream_slack_events, max_attempts,
+           metrics_port, metrics_address, hostname) -> None:  # fmt: skip
     """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
 
@@ -126,6 +143,8 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
             endpoints=list(endpoints), num_shards_in_parallel=concurrency,
             api_key=read_api_key(api_key_env, api_key_file), max_inflight_per_endpoint=max_inflight_per_endpoint,
             stream=not no_stream, engine=engine, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
+            request_timeout_s=request_timeout_s or None, max_reply_bytes=max_reply_bytes,
+            stream_slack_events=stream_slack_events,
             metrics_port=metrics_port, hostname=node,
         )  # fmt: skip
     except ValueError as e:
@@ -133,10 +152,10 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
     if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port)
+        start_http_server(metrics_port, addr=metrics_address)
     logging.getLogger("regen.worker").info(
         "worker %s: broker %s, queue %s, endpoints %s", node, settings.redis_url_redacted, settings.queue_name,
-        ", ".join(endpoints),
+        ", ".join(redact_url(e) for e in endpoints),
     )  # fmt: skip
     celery_app.configure(settings, config)
     celery_app.app.worker_main(
@@ -146,7 +165,7 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
 
 
 @main.command()
-@click.argument("run_id", required=False)
+@click.argument("run_id", required=False, callback=run_id_param)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--watch", type=float, default=None, help="refresh every N seconds until the run is done")
 def status(run_id: str | None, as_json: bool, watch: float | None) -> None:
@@ -172,7 +191,7 @@ def status(run_id: str | None, as_json: bool, watch: float | None) -> None:
 
 
 @main.command()
-@click.argument("run_id")
+@click.argument("run_id", callback=run_id_param)
 @click.option("--json", "as_json", is_flag=True)
 def resume(run_id: str, as_json: bool) -> None:
     """Rebuild RUN_ID's ledger from the data root and queue its unfinished shards (safe to repeat)."""
@@ -193,7 +212,7 @@ def resume(run_id: str, as_json: bool) -> None:
 
 
 @main.command("retry-failed")
-@click.argument("run_id")
+@click.argument("run_id", callback=run_id_param)
 @click.option("--include-terminal", is_flag=True, help="also re-ask rows with terminal errors (e.g. 4xx)")
 def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
     """Send rows of RUN_ID that exhausted their retries back through the queue."""
@@ -205,6 +224,12 @@ def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--port", type=int, default=5555, show_default=True)
 @click.option(
+    "--address",
+    default="127.0.0.1",
+    show_default=True,
+    help="address to listen on (0.0.0.0: every interface, e.g. inside a container)",
+)
+@click.option(
     "--basic-auth",
     envvar="FLOWER_BASIC_AUTH",
     default=None,
@@ -212,8 +237,11 @@ def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
 )
 @click.option("--no-auth", is_flag=True, help="serve without authentication (local use only)")
 @click.pass_context
-def flower(ctx: click.Context, port: int, basic_auth: str | None, no_auth: bool) -> None:
-    """Start Flower on the same broker settings as the workers (one visibility timeout for all)."""
+def flower(ctx: click.Context, port: int, address: str, basic_auth: str | None, no_auth: bool) -> None:
+    """Start Flower on the same broker settings as the workers (one visibility timeout for all).
+
+    Every route but /healthcheck (including /metrics and the API) demands the credentials."""
+    from regen_service.flower_guard import check_basic_auth, guard_every_route
     from workers import celery_app
 
     settings = _settings()
@@ -221,8 +249,14 @@ def flower(ctx: click.Context, port: int, basic_auth: str | None, no_auth: bool)
         raise click.ClickException(
             "Flower needs --basic-auth user:password (or FLOWER_BASIC_AUTH), or --no-auth"
         )
+    if basic_auth:
+        try:
+            check_basic_auth(basic_auth)
+        except ConfigError as e:
+            raise click.ClickException(str(e)) from None
+    guard_every_route()
     celery_app.configure(settings, None)  # type: ignore[arg-type]
-    args = ["flower", f"--port={port}", *ctx.args]
+    args = ["flower", f"--port={port}", f"--address={address}", *ctx.args]
     if basic_auth:
         args.append(f"--basic-auth={basic_auth}")
     celery_app.app.start(args)

@@ -30,6 +30,12 @@ from regen_service.cli.base import main
     help="Local Hugging Face tokenizer dir (never downloaded). Default: built-in synthetic word vocabulary.",
 )
 @click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Let --tokenizer run Python code shipped in its folder (auto_map, e.g. Kimi's tiktoken tokenizer). "
+    "Off by default: such a folder is refused without this flag.",
+)
+@click.option(
     "--hf-model",
     "hf_model_path",
     default=None,
@@ -186,4 +192,9 @@ def sim(log_level: str, **flags) -> None:
         cfg = SimConfig(**flags)
     except ValidationError as e:
         raise click.UsageError(str(e)) from e
-    run(cfg)
+    from regen_service.errors import ConfigError
+
+    try:
+        run(cfg)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None

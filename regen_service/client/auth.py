@@ -2,13 +2,19 @@
 
 SGLang's `--api-key K` wants `Authorization: Bearer K` on every path but /health* and /metrics.
 The key lives in a pydantic SecretStr so repr(), logs and error messages show '**********'; only
-`auth_headers` unwraps it, right where the header is built. Choosing where the key comes from (a
-CLI flag naming the variable or file) is the worker's job.
+`auth_headers` unwraps it, right where the header is built. A server may still quote the key back
+(an error body echoing the Authorization header), so every key in use is registered here and
+`scrub_secrets` is the ONE function applied wherever an error text is built (http.status_error,
+the pool's and endpoint's log lines, row errors): it replaces every registered secret and any
+credentials inside URLs. Choosing where the key comes from (a CLI flag) is the worker's job.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import threading
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -31,21 +37,71 @@ def load_api_key(env_var: str | None = None, file: str | None = None) -> SecretS
             value = path.read_text().strip()
         except OSError as e:
             raise ConfigError(f"cannot read the API key file {path}: {e.strerror}") from None
-        if not value:
+        lines = [line.strip() for line in value.splitlines() if line.strip()]
+        if not lines:
             raise ConfigError(f"the API key file {path} is empty")
-        return SecretStr(value.splitlines()[0].strip())
+        if len(lines) > 1:
+            raise ConfigError(
+                f"the API key file {path} has {len(lines)} non-empty lines; it must hold the key alone "
+                "on one line (remove the others)"
+            )
+        return SecretStr(lines[0])
     return None
+
+
+_SECRETS: set[str] = set()
+_LOCK = threading.Lock()
+# user:password@ inside any URL in a text (http://u:p@host, redis://:p@host)
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^\s/@:]*):[^\s/@]*@")
+
+
+def register_secret(secret: SecretStr | str | None) -> None:
+    """Remember a secret so that scrub_secrets removes it from every text from now on."""
+    value = secret.get_secret_value() if isinstance(secret, SecretStr) else secret
+    if value and len(value) >= 4:  # a 1-3 character "key" would mangle ordinary text
+        with _LOCK:
+            _SECRETS.add(value)
+
+
+def scrub_secrets(text: str) -> str:
+    """`text` with every registered secret and every URL password replaced by '***'."""
+    text = _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    for secret in sorted(_SECRETS, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, "***")
+    return text
+
+
+def install_log_scrubber() -> None:
+    """Scrub every log record of this process (message, arguments and traceback) as it is created,
+    whichever handler (ours, Celery's) writes it later. Idempotent."""
+    old = logging.getLogRecordFactory()
+    if getattr(old, "_regen_scrubs", False):
+        return
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = old(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # a bad format string: let logging report it as usual
+            return record
+        record.msg, record.args = scrub_secrets(text), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = scrub_secrets(logging.Formatter().formatException(record.exc_info))
+        return record
+
+    factory._regen_scrubs = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
 
 
 def auth_headers(api_key: SecretStr | None) -> dict[str, str]:
     if api_key is None:
         return {}
+    register_secret(api_key)
     return {"Authorization": f"Bearer {api_key.get_secret_value()}"}
 
 
-def scrub(text: str, api_key: SecretStr | None) -> str:
-    """`text` with the key replaced, for messages that quote server or library output."""
-    if api_key is None:
-        return text
-    secret = api_key.get_secret_value()
-    return text.replace(secret, "***") if secret else text
+def scrub(text: str, api_key: SecretStr | None = None) -> str:
+    """`text` with the key (and every registered secret, URL credentials) replaced."""
+    register_secret(api_key)
+    return scrub_secrets(text)

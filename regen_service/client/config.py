@@ -37,8 +37,16 @@ class PoolConfig(BaseModel):
     read_timeout_s: float | None = Field(default=None, gt=0)
     # Streaming: no byte for this long means the request is stuck (retryable).
     stall_timeout_s: float = Field(default=60.0, gt=0)
-    # One attempt, end to end (None: unbounded; stalls are caught by stall_timeout_s).
-    request_timeout_s: float | None = Field(default=None, gt=0)
+    # One attempt, end to end (None: unbounded). Stalls are caught sooner by stall_timeout_s; this
+    # catches a server that keeps sending without ever finishing. Kimi-K2.5 thinking answers run to
+    # 16K-32K tokens; at a loaded server's ~20 tok/s per request that is under 30 minutes.
+    request_timeout_s: float | None = Field(default=3600.0, gt=0)
+    # A non-streaming reply (or an error body, or one stream line) larger than this is cut, retryable:
+    # 32K tokens of text plus their ids is well under 1 MiB, so 16 MiB is slack, not a limit on answers.
+    max_reply_bytes: int = Field(default=16 << 20, ge=1024)
+    # A stream is cut (retryable) once it sent this many events more than the request's max_new_tokens
+    # (every event carries at least one token; the extras are the role, usage and finish chunks).
+    stream_slack_events: int = Field(default=256, ge=1)
     control_timeout_s: float = Field(default=10.0, gt=0, description="health, info and model checks")
 
     max_attempts: int = Field(default=6, ge=1)
@@ -52,9 +60,17 @@ class PoolConfig(BaseModel):
     breaker_probe_max_s: float = Field(default=15.0, gt=0)
 
     stream: bool = True
-    # The server runs with --incremental-streaming-output: stream events carry deltas, not totals.
-    incremental_stream: bool = False
+    # Whether /generate stream events carry deltas (SGLang's --incremental-streaming-output) or totals.
+    # auto: from /server_info's `incremental_streaming_output`, else detected from the chunks; a set
+    # mode is still checked on every stream (a mismatch is a retryable StreamModeError, never a
+    # truncated answer). true/false are read as incremental/cumulative.
+    incremental_stream: Literal["auto", "cumulative", "incremental"] = "auto"
     health_check_on_start: bool = True
+
+    @field_validator("incremental_stream", mode="before")
+    @classmethod
+    def _stream_bool(cls, v):
+        return {True: "incremental", False: "cumulative"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("endpoints")
     @classmethod

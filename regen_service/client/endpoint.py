@@ -3,7 +3,9 @@
 `check` runs /health, finds the engine (engines.py), the model check (/get_model_info, /v1/models) and
 reads SGLang's limits from /get_server_info (vLLM reports none). `send` makes one attempt on either API
 (token-exact: SGLang's /generate, vLLM's /v1/completions with token ids) and returns a Completion
-or raises a classified error (http.py). The breaker ejects the endpoint after
+or raises a classified error (http.py; replies of the wrong shape: replies.py). Every attempt is
+bounded: `request_timeout_s` end to end, `max_reply_bytes` per body or stream line, and a stream past
+max_new_tokens + `stream_slack_events` events is cut (all retryable). The breaker ejects the endpoint after
 `breaker_failure_threshold` consecutive retryable failures, or at once on a refused connection, and
 probes /health with exponential backoff; a probe that passes re-runs `check` before the endpoint
 takes traffic again. Routing and retries across endpoints are pool.py's job.
@@ -28,7 +30,6 @@ from regen_service.client.config import PoolConfig
 from regen_service.client.engines import (
     VLLM_COMPLETIONS_PATH,
     CompletionsStream,
-    completions_from_body,
     engine_from,
     vllm_completions_body,
 )
@@ -36,16 +37,17 @@ from regen_service.client.http import (
     Completion,
     ConnectionRefusedRetryable,
     RetryableError,
+    StreamModeError,
     dump_body,
     make_session,
     raise_for_status,
+    read_limited,
 )
+from regen_service.client.replies import SHAPE_ERRORS, check_shape, malformed, max_events, parse_reply
 from regen_service.client.streams import (
     ChatStream,
     GenerateStream,
     Timer,
-    chat_message_completion,
-    generate_completion_from_body,
     read_sse,
 )
 from regen_service.errors import EndpointTerminalError, RowTerminalError
@@ -81,6 +83,8 @@ class Endpoint:
         self.context_length: int | None = None
         self.max_input_len: int | None = None
         self.server_info: dict = {}
+        # /generate stream mode: the config's, or (auto) /server_info's, or "auto" = detect per stream
+        self.stream_mode: str = config.incremental_stream
         self.inflight = 0
         self.healthy = False
         self.ejected = False
@@ -170,7 +174,7 @@ class Endpoint:
             async with self._control.get(
                 self.url + path, proxy=self._proxy, proxy_auth=self._proxy_auth
             ) as resp:
-                status, body = resp.status, await resp.read()
+                status, body = resp.status, await read_limited(resp, self.config.max_reply_bytes, self.label)
         except aiohttp.ClientConnectorError as e:
             raise ConnectionRefusedRetryable(
                 f"{self.label}{path}: cannot connect ({scrub(str(e), self.config.api_key)})",
@@ -244,6 +248,7 @@ class Endpoint:
                 info = _json_body(body)
                 break
         self.server_info = info
+        self.stream_mode = self._stream_mode(info)
         self.context_length = info.get("context_length") or self.context_length
         self.max_input_len = info.get("max_req_input_len")
         running = info.get("max_running_requests")
@@ -257,6 +262,13 @@ class Endpoint:
                 old, self._data = self._data, self._data_client()
                 if old is not None:
                     await old.close()
+
+    def _stream_mode(self, info: dict) -> str:
+        """SGLang's /server_info lists its server args, `incremental_streaming_output` among them."""
+        if self.config.incremental_stream != "auto":
+            return self.config.incremental_stream
+        flag = info.get("incremental_streaming_output")
+        return ("incremental" if flag else "cumulative") if isinstance(flag, bool) else "auto"
 
     # --- breaker -----------------------------------------------------------------------------
     def record_success(self) -> None:
@@ -278,6 +290,7 @@ class Endpoint:
         if self.ejected or self.stopped:
             return
         self.ejected = True
+        why = scrub(why)
         log.warning("endpoint %s ejected after %d failure(s): %s", self.label, self.consecutive_failures, why)
         self._health_metric()
         self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
@@ -358,34 +371,51 @@ class Endpoint:
         async with self._data.post(
             url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
         ) as resp:
-            status, raw = resp.status, await resp.read()
+            status, raw = resp.status, await read_limited(resp, self.config.max_reply_bytes, self.label)
         raise_for_status(status, raw, self.label)
-        data = _json_body(raw)
-        if api == "generate":
-            c = generate_completion_from_body(data, self.label)
-        elif api == "completions":
-            c = completions_from_body(data, self.label)
-        else:
-            c = chat_message_completion(data, self.label)
+        c = parse_reply(api, raw, self.label)
         c.latency_s = time.monotonic() - t0
         if c.completion_tokens and c.latency_s > 0:
             c.decode_tok_s = c.completion_tokens / c.latency_s
         return c
 
     async def _stream(self, url: str, api: str, body: dict) -> Completion:
+        c = self.config
         if api == "generate":
-            acc = GenerateStream(self.label, self.config.incremental_stream)
+            acc = GenerateStream(self.label, self.stream_mode, max_bytes=c.max_reply_bytes)
         elif api == "completions":
             acc = CompletionsStream(self.label, Timer())
         else:
-            acc = ChatStream(self.label)
-        async with self._data.post(
-            url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
-        ) as resp:
-            if resp.status != 200:
-                raise_for_status(resp.status, await resp.read(), self.label)
-            await read_sse(resp.content, self.config.stall_timeout_s, self.label, acc.feed)
-        return acc.result()
+            acc = ChatStream(self.label, max_bytes=c.max_reply_bytes)
+
+        def feed(event: dict) -> None:
+            try:
+                acc.feed(event)
+            except SHAPE_ERRORS as e:  # an event of the wrong shape (classified errors pass through)
+                raise malformed(e, self.label) from None
+
+        try:
+            async with self._data.post(
+                url, data=dump_body(body), proxy=self._proxy, proxy_auth=self._proxy_auth
+            ) as resp:
+                if resp.status != 200:
+                    raise_for_status(
+                        resp.status, await read_limited(resp, c.max_reply_bytes, self.label), self.label
+                    )
+                await read_sse(resp.content, c.stall_timeout_s, self.label, feed, max_line_bytes=c.max_reply_bytes,
+                               max_events=max_events(body, c.stream_slack_events))  # fmt: skip
+        except StreamModeError:
+            # The server's mode is not what we believed (restarted with another flag): detect it from
+            # the chunks from now on; the retry then folds the stream right.
+            if c.incremental_stream == "auto":
+                self.stream_mode = "auto"
+            raise
+        try:
+            done = acc.result()
+            check_shape(done)
+        except SHAPE_ERRORS as e:
+            raise malformed(e, self.label) from None
+        return done
 
 
 def _json_body(raw: bytes):

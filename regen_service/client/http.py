@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from regen_service.client.auth import scrub_secrets
 from regen_service.errors import EndpointTerminalError, RetryableError, RowTerminalError
 from schemas.conversation import ToolCall
 
@@ -35,6 +36,34 @@ class ConnectionRefusedRetryable(RetryableError):
 
 class StallError(RetryableError):
     """No byte arrived for stall_timeout_s while streaming."""
+
+
+class ReplyTooLargeError(RetryableError):
+    """A reply body, error body or stream line over max_reply_bytes, or a stream that kept sending
+    past max_new_tokens + stream_slack_events: cut before it can exhaust the worker's memory."""
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int, endpoint: str) -> bytes:
+    """The whole body, or ReplyTooLargeError as soon as it is known to exceed `limit` bytes."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ReplyTooLargeError(
+            f"{endpoint} announced a {resp.content_length}-byte reply (max_reply_bytes {limit})",
+            endpoint=endpoint,
+        )
+    chunks, size = [], 0  # joined once at the end: no reallocation copies of a growing buffer
+    while chunk := await resp.content.read(1 << 16):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise ReplyTooLargeError(
+                f"{endpoint} sent a reply over max_reply_bytes ({limit} bytes); cut", endpoint=endpoint
+            )
+    return b"".join(chunks)
+
+
+class StreamModeError(RetryableError):
+    """A /generate stream that fits neither totals nor deltas as announced (the server's stream mode is
+    not what the endpoint believed): the endpoint falls back to detecting it, and the request is retried."""
 
 
 @dataclass
@@ -59,7 +88,8 @@ class Completion:
 
 
 def status_error(status: int, detail: str, endpoint: str) -> Exception:
-    """The regen error for a non-2xx status (or an in-body error code)."""
+    """The regen error for a non-2xx status (or an in-body error code); the server's text scrubbed."""
+    detail = scrub_secrets(detail)
     msg = f"{endpoint} answered {status}: {detail}"
     if status in (401, 403):
         return EndpointTerminalError(
@@ -106,9 +136,11 @@ def error_code(err: dict) -> int | None:
 def event_error(err: object, endpoint: str) -> Exception:
     """The regen error for an `{"error": ...}` object found in a 200 body or a stream event."""
     if not isinstance(err, dict):
-        return UncodedStreamError(f"{endpoint} sent an error event: {err}", endpoint=endpoint)
+        return UncodedStreamError(
+            f"{endpoint} sent an error event: {scrub_secrets(str(err)[:500])}", endpoint=endpoint
+        )
     code = error_code(err)
-    detail = str(err.get("message") or err)[:500]
+    detail = scrub_secrets(str(err.get("message") or err)[:500])
     if code is None:
         return UncodedStreamError(
             f"{endpoint} sent an error event without a code: {detail}", endpoint=endpoint
@@ -121,7 +153,7 @@ def check_abort(finish_reason: object, endpoint: str) -> None:
     if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
         return
     code = error_code(finish_reason)
-    detail = str(finish_reason.get("message") or "aborted")
+    detail = scrub_secrets(str(finish_reason.get("message") or "aborted")[:500])
     if code is not None and 400 <= code < 500:
         raise status_error(code, f"request aborted: {detail}", endpoint)
     raise RetryableError(

@@ -24,6 +24,7 @@ import random
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential_jitter
 
 from regen_service.client import metrics
+from regen_service.client.auth import scrub_secrets
 from regen_service.client.config import PoolConfig
 from regen_service.client.endpoint import Endpoint, WrongModelError
 from regen_service.client.http import Completion, UncodedStreamError
@@ -77,8 +78,9 @@ class EndpointPool:
             elif isinstance(res, EndpointTerminalError):
                 pass  # stopped (401), logged by the endpoint
             elif isinstance(res, BaseException):
-                log.warning("endpoint %s is down at start (%s); probing it", ep.label, res)
-                ep.start_probing(str(res))
+                why = scrub_secrets(str(res))
+                log.warning("endpoint %s is down at start (%s); probing it", ep.label, why)
+                ep.start_probing(why)
         if wrong_model is not None:
             await self.close()
             raise wrong_model
@@ -249,7 +251,7 @@ class EndpointPool:
                 # SGLang's native stream reports even a 400 (context length) as an uncoded event:
                 # the next attempt goes non-streaming, where the same failure carries its status.
                 state.stream = False
-            log.info("attempt %d on %s failed: %s", state.number, ep.label, e)
+            log.info("attempt %d on %s failed: %s", state.number, ep.label, scrub_secrets(str(e)))
             raise
         except RowTerminalError:
             ep.count_error("terminal_row")

@@ -2,7 +2,8 @@
 
 `sse_events` turns the response's lines into JSON objects, ending at `data: [DONE]`, and raises
 StallError when no line arrives for stall_timeout_s. `GenerateStream` folds native /generate events
-(cumulative by default, deltas with --incremental-streaming-output); `ChatStream` folds OpenAI chat
+(cumulative by default, deltas with --incremental-streaming-output; the mode is checked on the chunks
+themselves, never trusted blindly); `ChatStream` folds OpenAI chat
 chunks (content, reasoning_content and tool-call deltas, the usage chunk). Errors inside events are
 classified by http.py. Splitting thinking from the answer is chat_template.py's job.
 """
@@ -14,10 +15,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
+from regen_service.client.auth import scrub_secrets
 from regen_service.client.http import (
     Completion,
+    ReplyTooLargeError,
     RetryableError,
     StallError,
+    StreamModeError,
     check_abort,
     event_error,
     finish_type,
@@ -51,7 +55,8 @@ class _SSEParser:
             obj = json.loads(payload)
         except ValueError:
             raise RetryableError(
-                f"{self.endpoint} sent a malformed event: {payload[:200]!r}", endpoint=self.endpoint
+                f"{self.endpoint} sent a malformed event: {scrub_secrets(payload[:200])!r}",
+                endpoint=self.endpoint,
             ) from None
         return obj if isinstance(obj, dict) else None
 
@@ -94,16 +99,27 @@ else:  # pragma: no cover - Python 3.10
         return await asyncio.wait_for(reader.readany(), left)
 
 
-async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable[[dict], None]) -> None:
+async def read_sse(
+    reader,
+    stall_timeout_s: float,
+    endpoint: str,
+    feed: Callable[[dict], None],
+    *,
+    max_line_bytes: int | None = None,
+    max_events: int | None = None,
+) -> None:
     """Feed every event of an SSE body (an aiohttp StreamReader) to `feed` until [DONE], then read the
     body to its end so that the keep-alive connection goes back to the pool instead of being closed.
 
     The stall timer is an idle timer on lines: StallError when no complete line arrives for
-    stall_timeout_s. A body that ends before [DONE] is retryable. Lines end with LF or CRLF."""
+    stall_timeout_s. A body that ends before [DONE] is retryable. Lines end with LF or CRLF. Bytes that
+    keep arriving defeat the stall timer, so two bounds cut a runaway stream (ReplyTooLargeError,
+    retryable): a line longer than max_line_bytes, and more than max_events events."""
     loop = asyncio.get_running_loop()
     parser = _SSEParser(endpoint)
     deadline = loop.time() + stall_timeout_s
     tail = b""
+    events = 0
     while True:
         try:
             chunk = await _read_chunk(reader, deadline - loop.time())
@@ -115,6 +131,11 @@ async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable
             raise _closed_early(endpoint)
         parts = (tail + chunk).split(b"\n") if tail else chunk.split(b"\n")
         tail = parts.pop()
+        if max_line_bytes is not None and len(tail) > max_line_bytes:
+            raise ReplyTooLargeError(
+                f"{endpoint} sent a stream line over max_reply_bytes ({max_line_bytes} bytes); cut",
+                endpoint=endpoint,
+            )
         if not parts:
             continue
         deadline = loop.time() + stall_timeout_s
@@ -125,6 +146,13 @@ async def read_sse(reader, stall_timeout_s: float, endpoint: str, feed: Callable
             if event is _DONE:
                 await _drain(reader, loop)
                 return
+            events += 1
+            if max_events is not None and events > max_events:
+                raise ReplyTooLargeError(
+                    f"{endpoint} kept streaming past max_new_tokens ({events} events, at most {max_events} "
+                    "expected); cut",
+                    endpoint=endpoint,
+                )
             feed(event)
 
 
@@ -137,6 +165,13 @@ async def _drain(reader, loop, limit_s: float = 1.0) -> None:
             pass
     except Exception:  # a timeout or a cut connection: the answer is complete already
         pass
+
+
+def _bound(size: int, max_bytes: int | None, endpoint: str) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise ReplyTooLargeError(
+            f"{endpoint} streamed more than max_reply_bytes ({max_bytes}) of answer; cut", endpoint=endpoint
+        )
 
 
 class Timer:
@@ -159,29 +194,89 @@ class Timer:
 
 
 class GenerateStream:
-    """Folds native /generate events into a Completion (exact output_ids, raw text)."""
+    """Folds native /generate events into a Completion (exact output_ids, raw text).
 
-    def __init__(self, endpoint: str, incremental: bool) -> None:
+    SGLang sends totals by default and deltas under --incremental-streaming-output. `mode` is what the
+    endpoint knows ("cumulative"/"incremental": config or /server_info; "auto": unknown). The chunks are
+    checked either way: cumulative chunks must extend the previous one, and the folded ids must number
+    the chunk's meta_info.completion_tokens (SGLang's len(req.output_ids), sent with every chunk). In
+    auto mode both folds are kept until that count (or, without counts, three growing chunks that each
+    extend the last) tells them apart; the delta fold is then dropped so memory stays linear. A stream
+    that fits neither fold raises StreamModeError: never a truncated or doubled answer."""
+
+    _SETTLE_CHUNKS = 3
+
+    def __init__(self, endpoint: str, mode: str = "auto", max_bytes: int | None = None) -> None:
         self.endpoint = endpoint
-        self.incremental = incremental
-        self.text = ""
+        self.mode = mode
+        self.max_bytes = max_bytes
+        self.cat_size = 0  # bytes held by the delta fold (the cumulative one is bounded per line)
+        self.text = ""  # cumulative fold: the last totals
         self.ids: list[int] = []
+        self.cat_text: list[str] = []  # incremental fold: deltas joined (not kept once cumulative)
+        self.cat_ids: list[int] = []
+        self.grown = 0
+        self.chunks = 0
+        self.saw_ids = False
         self.meta: dict = {}
         self.timer = Timer()
+
+    def _error(self, what: str) -> StreamModeError:
+        return StreamModeError(f"{self.endpoint}: /generate {what}", endpoint=self.endpoint)
 
     def feed(self, event: dict) -> None:
         if "error" in event:
             raise event_error(event["error"], self.endpoint)
-        text, ids = event.get("text") or "", event.get("output_ids")
-        if self.incremental:
-            self.text += text
-            self.ids.extend(ids or [])
-        else:
-            self.text = text or self.text
-            self.ids = list(ids) if ids is not None else self.ids
-        if self.ids or self.text:
+        text, raw_ids = event.get("text") or "", event.get("output_ids")
+        meta = event.get("meta_info") or {}
+        self.chunks += 1
+        self.saw_ids = self.saw_ids or raw_ids is not None
+        # a server that sends no ids (text only) is folded by text alone, as before
+        ids = list(raw_ids) if raw_ids is not None else (self.ids if self.mode != "incremental" else [])
+        if self.mode != "incremental":
+            if ids[: len(self.ids)] == self.ids and text.startswith(self.text):
+                self.grown += len(ids) > len(self.ids)
+                self.text, self.ids = text, ids
+            elif self.mode == "cumulative":
+                raise self._error(
+                    f"chunk {self.chunks} does not extend the previous one: the stream carries deltas, "
+                    "not the totals expected (server restarted with --incremental-streaming-output?)"
+                )
+            else:
+                self.mode = "incremental"  # auto: the cumulative shape is broken
+        if self.mode != "cumulative":
+            self.cat_text.append(text)
+            self.cat_ids.extend(ids)
+            self.cat_size += len(text) + 8 * len(ids)
+            _bound(self.cat_size, self.max_bytes, self.endpoint)
+        self._check(meta.get("completion_tokens") if raw_ids is not None else None)
+        if ids or text:
             self.timer.token()
-        self.meta = event.get("meta_info") or self.meta
+        self.meta = meta or self.meta
+
+    def _check(self, count) -> None:
+        """Hold the folds to the server's running count; in auto mode, settle the mode by it."""
+        if not isinstance(count, int):
+            if self.mode == "auto" and self.grown >= self._SETTLE_CHUNKS:
+                self.mode, self.cat_ids, self.cat_text = "cumulative", [], []
+            return
+        fits_total = self.mode != "incremental" and len(self.ids) == count
+        fits_delta = self.mode != "cumulative" and len(self.cat_ids) == count
+        if self.mode == "auto" and fits_total != fits_delta:
+            self.mode = "cumulative" if fits_total else "incremental"
+            if fits_total:
+                self.cat_ids, self.cat_text = [], []
+        elif not (fits_total or fits_delta):
+            got = len(self.ids) if self.mode == "cumulative" else len(self.cat_ids)
+            raise self._error(
+                f"chunk {self.chunks}: folded as {self.mode} it holds {got} output ids but the server "
+                f"counted {count} (its stream mode is not the one expected)"
+            )
+
+    def _folded(self) -> tuple[str, list[int]]:
+        if self.mode == "incremental":
+            return "".join(self.cat_text), self.cat_ids
+        return self.text, self.ids  # cumulative, or auto with both folds equal (or no count to tell)
 
     def result(self) -> Completion:
         fr = self.meta.get("finish_reason")
@@ -190,7 +285,10 @@ class GenerateStream:
                 f"{self.endpoint} ended the stream without a finish_reason", endpoint=self.endpoint
             )
         check_abort(fr, self.endpoint)
-        return self.timer.finish(generate_completion(self.text, self.ids, self.meta, self.endpoint))
+        text, ids = self._folded()
+        return self.timer.finish(
+            generate_completion(text, ids if self.saw_ids else None, self.meta, self.endpoint)
+        )
 
 
 def generate_completion_from_body(body: dict, endpoint: str) -> Completion:
@@ -219,8 +317,10 @@ def generate_completion(text: str, ids: list[int] | None, meta: dict, endpoint: 
 class ChatStream:
     """Folds OpenAI chat completion chunks: deltas of content, reasoning_content and tool calls."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, max_bytes: int | None = None) -> None:
         self.endpoint = endpoint
+        self.max_bytes = max_bytes
+        self.size = 0  # characters kept so far (content, reasoning, tool-call parts)
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, dict] = {}
@@ -236,6 +336,9 @@ class ChatStream:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            self.size += sum(len(v) for v in (delta.get("content"), delta.get("reasoning_content")) if v)
+            self.size += sum(len(str(tc)) for tc in delta.get("tool_calls") or [])
+            _bound(self.size, self.max_bytes, self.endpoint)
             if delta.get("content"):
                 self.content.append(delta["content"])
                 self.timer.token()

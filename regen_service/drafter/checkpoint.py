@@ -7,16 +7,25 @@ export` reads them): draft_state_dict (SGLang names incl. d2t/t2d, no embed_toke
 aux_layer_ids (layer INPUT indices captured), target_num_layers, optimizer, scheduler, step,
 train_config, consumed_shards (list of [run_id, shard_id]), in_progress (None, or the shard being
 trained and the next batch index in it), plus vocab_stats and target_path. Imports torch only.
+
+Loading never runs code: `torch.load(weights_only=True)` (tensors, numbers, strings, lists, dicts:
+all the state holds), so a pickle planted in the output directory (it sits on a volume every worker
+writes) is refused with UnsafeCheckpointError naming the file, instead of executing its payload.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 
 import torch
+from torch.torch_version import TorchVersion
+
+from regen_service.errors import ConfigError
 
 REQUIRED_KEYS = (
     "draft_state_dict",
@@ -88,8 +97,30 @@ def latest_path(out_dir: str | Path) -> Path | None:
     return path if path.exists() else None
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    return torch.load(path, map_location=map_location, weights_only=False)
+class UnsafeCheckpointError(ConfigError):
+    """A state.pt that holds more than tensors and plain data (a pickle that would run code)."""
+
+
+def load_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False) -> dict:
+    """The state dict in `path`, loaded without running any code it may carry."""
+    if not zipfile.is_zipfile(path):  # torch.save's format; a bare pickle is never ours
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: not a checkpoint torch.save wrote (no zip container). regen's "
+            "trainer never writes such a file; delete it (or the step directory) if you did not put it there"
+        )
+    try:
+        # TorchVersion (a str subclass) is the one non-plain type older checkpoints hold.
+        with torch.serialization.safe_globals([TorchVersion]):
+            state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: it holds objects other than tensors and plain data, so loading "
+            f"it could run code ({str(e).splitlines()[0]}). regen's trainer never writes such a file; "
+            "delete it (or the step directory) if you did not put it there"
+        ) from None
+    if not isinstance(state, dict):
+        raise UnsafeCheckpointError(f"{path}: not a regen checkpoint (a {type(state).__name__}, not a dict)")
+    return state
 
 
 def load_latest(out_dir: str | Path, map_location="cpu") -> dict | None:

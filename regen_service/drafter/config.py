@@ -24,11 +24,18 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(default=1, ge=1)  # sequences per rank per step
     epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
     seed: int = 0
+    # training samples of multi-turn rows: one per generation (the exact prompt the target saw plus
+    # its answer), or one per conversation (right only for templates that keep all thinking); auto:
+    # per generation when the target's template drops earlier thinking (Kimi-K2.5's does)
+    samples: Literal["auto", "per_generation", "conversation"] = "auto"
     # draft vocabulary: built from the first `vocab_shards` shards, or fewer once `vocab_tokens`
     # loss-masked tokens were counted (0 = no token limit); then frozen
     draft_vocab_size: int = Field(default=32000, ge=1)
     vocab_shards: int = Field(default=1, ge=1)
     vocab_tokens: int = Field(default=0, ge=0)
+    # let the target folder's own Python code run (auto_map: Kimi-K2.5's tokenizer and model);
+    # a folder that needs it without this is a ConfigError before training starts
+    trust_remote_code: bool = False
     # target: layer INPUT indices to capture; None = [2, L//2, L-3] (three distinct layers if those collide)
     aux_layer_ids: list[int] | None = None
     # where target states come from: a local Hugging Face copy ("hf", small targets), or a vLLM engine that

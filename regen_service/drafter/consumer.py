@@ -92,17 +92,10 @@ class ShardFeed:
     def _take(self, entries) -> list[ShardRef]:
         refs, other = [], []
         for entry_id, fields in entries:
-            if fields and fields.get("type") == "shard_done" and fields.get("run_id") == self.run_id:
-                refs.append(
-                    ShardRef(
-                        entry_id,
-                        fields["run_id"],
-                        int(fields["shard_id"]),
-                        fields["path"],
-                        int(fields.get("num_rows", 0)),
-                    )
-                )
-            else:  # run_done, deleted entries, anything else: nothing to train
+            ref = self._ref(entry_id, fields)
+            if ref is not None:
+                refs.append(ref)
+            else:  # run_done, deleted or malformed entries, anything else: nothing to train
                 other.append(entry_id)
         if other:
             self.r.xack(self.key, self.group, *other)
@@ -110,6 +103,26 @@ class ShardFeed:
             for ref in refs:
                 self.held[ref.entry_id] = ref
         return refs
+
+    def _ref(self, entry_id: str, fields: dict | None) -> ShardRef | None:
+        """A shard_done entry of our run as a ShardRef; None for anything else. Its `path` is kept
+        for the record only: the trainer finds the file from (run, shard) under its own data root."""
+        if not fields or fields.get("type") != "shard_done" or fields.get("run_id") != self.run_id:
+            return None
+        raw_id = str(fields.get("shard_id", ""))
+        if not raw_id.isdigit() or len(raw_id) > 9:
+            log.error(
+                "stream entry %s of run %s has a bad shard_id %r; skipped", entry_id, self.run_id, raw_id
+            )
+            return None
+        num_rows = str(fields.get("num_rows", "0"))
+        return ShardRef(
+            entry_id,
+            self.run_id,
+            int(raw_id),
+            str(fields.get("path", "")),
+            int(num_rows) if num_rows.isdigit() else 0,
+        )
 
     def _own_pending(self) -> list[ShardRef]:
         out, last = [], "0"

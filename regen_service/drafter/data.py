@@ -5,18 +5,23 @@ is: those are the target's exact tokens. Any other row is rendered with the targ
 template over `messages` and `tools` (thinking included wherever the template keeps it). The loss
 mask then covers every assistant turn: from the end of the template's assistant header (what
 `add_generation_prompt` appends) through the template's end-of-turn marker, both found once per
-tokenizer by rendering a probe conversation. Rows with an `error` are skipped; sequences are cut at
+tokenizer by rendering a probe conversation. Masks come from tokenizing the text in segments cut at
+those markers, so slow tokenizers (Kimi-K2.5's tiktoken one: no offset mapping) work too. Rows with an `error` are skipped; sequences are cut at
 max_length. Which shards to read, and when, is the trainer's.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
+
+from regen_service.drafter import samples as S
+from regen_service.errors import ConfigError
 
 _SENTINEL = "REGEN_PROBE_9f3b"
 
@@ -43,6 +48,27 @@ class ChatRenderer:
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
+    def render(self, messages, tools=None, *, add_generation_prompt=False, thinking: bool = True) -> str:
+        """The template's text with its `thinking` switch (Kimi's kwarg; templates without it ignore it)."""
+        return self.tok.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+        )
+
+    @property
+    def drops_thinking(self) -> bool:
+        """Whether the template drops an earlier turn's thinking once the conversation goes on (Kimi's
+        does): then one rendering of a finished conversation is not what the target saw per turn."""
+        probe = [
+            {"role": "user", "content": "ping"},
+            {"role": "assistant", "content": "pong", "reasoning_content": _SENTINEL},
+            {"role": "user", "content": "again"},
+        ]
+        return _SENTINEL not in self._render(probe, add_generation_prompt=True)
+
     def spans(self, text: str, n_assistant: int) -> list[tuple[int, int]]:
         # History turns may render a shorter header than the generation prompt (e.g. an empty
         # "<think></think>" instead of "<think>"): use the longest header prefix found often enough.
@@ -62,12 +88,35 @@ class ChatRenderer:
 
     def encode(self, messages: list[dict], tools: list | None) -> Example:
         text = self._render(messages, tools=tools)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         n_asst = sum(1 for m in messages if m.get("role") == "assistant")
-        spans = self.spans(text, n_asst)
-        mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
-        return Example(
-            torch.tensor(enc["input_ids"], dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)
+        ids, mask = self.tokenize_spans(text, self.spans(text, n_asst))
+        return Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+
+    def tokenize_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """(ids, mask) of `text`, mask 1 on the tokens inside `spans`, without offset mappings (slow
+        tokenizers have none): the text is tokenized segment by segment, cut at the span edges. The
+        edges sit on template markers (special tokens), so the segments' ids joined must equal the
+        whole text's ids; if not, a fast tokenizer falls back to its offsets, a slow one is an error."""
+        cuts = sorted({0, len(text), *(p for span in spans for p in span)})
+        ids: list[int] = []
+        mask: list[int] = []
+        for a, b in itertools.pairwise(cuts):
+            seg = self.tok(text[a:b], add_special_tokens=False)["input_ids"]
+            inside = int(any(s <= a and b <= e for s, e in spans))
+            ids += seg
+            mask += [inside] * len(seg)
+        whole = self.tok(text, add_special_tokens=False)["input_ids"]
+        if ids == whole:
+            return ids, mask
+        if getattr(self.tok, "is_fast", False):
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            offs = enc["offset_mapping"]
+            return enc["input_ids"], [int(any(s <= a < e for s, e in spans)) for a, _ in offs]
+        raise ConfigError(
+            f"tokenizer {type(self.tok).__name__} cannot mark assistant tokens in its chat template: the "
+            f"template's assistant header {self.header!r} or end marker {self.end!r} does not fall on a "
+            "token boundary, and the tokenizer has no offset mapping. Use a tokenizer whose template "
+            "markers are special tokens, or regenerate with api: generate (rows then carry token ids)"
         )
 
 
@@ -86,32 +135,48 @@ def _clean_message(m: dict) -> dict:
     return out
 
 
-def table_examples(table: pa.Table, renderer_factory, max_length: int) -> tuple[list[Example], dict]:
-    """Rows of one output shard -> examples. renderer_factory() is only called if a row needs it."""
+def _row_examples(row: dict, renderer_factory, samples: str, stats: dict) -> list[Example]:
+    """One row -> its examples: per generation (samples.py) where asked and possible, else the row."""
+    tokens = bool(row.get("input_ids")) and row.get("loss_mask") is not None
+    stats["token_rows" if tokens else "template_rows"] += 1
+    if tokens:
+        pairs = S.token_generations(row) if samples == "per_generation" else None
+        if pairs is None:
+            return [
+                Example(torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"], dtype=torch.int64))
+            ]
+        stats["generation_samples"] += len(pairs)
+        return S.as_examples(pairs, Example)
+    renderer = renderer_factory()
+    tools = json.loads(row["tools"]) if row.get("tools") else None
+    messages = [_clean_message(m) for m in row["messages"] or []]
+    if samples == "per_generation":
+        pairs = S.template_generations(renderer, messages, tools, row.get("turns") or [])
+        if pairs is not None:
+            stats["generation_samples"] += len(pairs)
+            return S.as_examples(pairs, Example)
+    return [renderer.encode(messages, tools)]
+
+
+def table_examples(
+    table: pa.Table, renderer_factory, max_length: int, samples: str = "conversation"
+) -> tuple[list[Example], dict]:
+    """Rows of one output shard -> examples. renderer_factory() is only called if a row needs it.
+    samples: "conversation" (one per row) or "per_generation" (one per answered turn, samples.py)."""
     stats = {"rows": table.num_rows, "errors": 0, "token_rows": 0, "template_rows": 0, "no_loss": 0}
-    renderer = None
+    stats["generation_samples"] = 0
     examples = []
-    cols = [c for c in ("messages", "tools", "input_ids", "loss_mask", "error") if c in table.column_names]
-    for row in table.select(cols).to_pylist():
+    cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns")
+    for row in table.select([c for c in cols if c in table.column_names]).to_pylist():
         if row.get("error"):
             stats["errors"] += 1
             continue
-        if row.get("input_ids") and row.get("loss_mask") is not None:
-            ex = Example(
-                torch.tensor(row["input_ids"], dtype=torch.int64),
-                torch.tensor(row["loss_mask"], dtype=torch.int64),
-            )
-            stats["token_rows"] += 1
-        else:
-            renderer = renderer or renderer_factory()
-            tools = json.loads(row["tools"]) if row.get("tools") else None
-            ex = renderer.encode([_clean_message(m) for m in row["messages"] or []], tools)
-            stats["template_rows"] += 1
-        ex = Example(ex.ids[:max_length], ex.mask[:max_length])
-        if int(ex.mask.sum()) == 0 or ex.ids.numel() < 2:
-            stats["no_loss"] += 1
-            continue
-        examples.append(ex)
+        for ex in _row_examples(row, renderer_factory, samples, stats):
+            ex = Example(ex.ids[:max_length].to(torch.int64), ex.mask[:max_length].to(torch.int64))
+            if int(ex.mask.sum()) == 0 or ex.ids.numel() < 2:
+                stats["no_loss"] += 1
+                continue
+            examples.append(ex)
     return examples, stats
 
 

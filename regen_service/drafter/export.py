@@ -50,15 +50,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def _load_state(step: Path) -> dict:
-    import torch
+    # weights_only, no fallback: a planted pickle is refused (UnsafeCheckpointError), never run.
+    from regen_service.drafter.checkpoint import load_checkpoint
 
-    path = step / "state.pt"
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        # The file is our own trainer's output (the operator points at it); optimizer or scheduler
-        # states can hold objects weights_only refuses.
-        return torch.load(path, map_location="cpu", weights_only=False)
+    return load_checkpoint(step / "state.pt", mmap=True)
 
 
 def build_config(draft_config: dict, aux_inputs: list[int], engine: fmt.Engine = "sglang") -> dict:

@@ -8,6 +8,12 @@ that shard and trains on its stride share (rank::world), all ranks running the s
 resumes from `latest` (including the batch position inside a shard when checkpoint_every_steps is
 set). Target states come from target.HFTarget (a local copy) or engine_target.VllmTarget (a vLLM engine
 holding the target), as `target_backend` says.
+
+A shard's file is found from (run, shard) under THIS trainer's data root (RunLayout); the `path` a
+stream event carries is never opened (anyone who can write the stream could point it anywhere). A
+shard that cannot be read (missing, not Parquet, wrong schema) is logged as an error, recorded in
+metrics.jsonl and the checkpoint's `bad_shards`, and acked: it never stops the trainer, restarts
+included.
 """
 
 from __future__ import annotations
@@ -30,10 +36,16 @@ from regen_service.drafter.train import DraftTrainer, draft_config_for
 from regen_service.drafter.vocab import VocabCounter, build_vocab, coverage
 from regen_service.errors import ConfigError
 from regen_service.ledger import Ledger
+from regen_service.remote_code import load_tokenizer, require_opt_in
 from regen_service.settings import Settings
-from regen_service.storage import Storage
+from regen_service.storage import RunLayout, Storage
+
+# What reading a planted or broken shard raises: missing file, not Parquet (ArrowInvalid is a
+# ValueError), another schema version (ValueError), missing columns (KeyError), wrong types.
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError)
 
 log = logging.getLogger(__name__)
+TRUST_SETTING = "regen train --trust-remote-code (or trust_remote_code: true in train.yaml)"
 
 
 def make_target(path: str, cfg: TrainConfig, device):
@@ -49,7 +61,7 @@ def make_target(path: str, cfg: TrainConfig, device):
             num_parallel_requests=cfg.target_num_parallel_requests,
             request_timeout_s=cfg.target_request_timeout_s,
         )
-    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids)
+    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids, trust_remote_code=cfg.trust_remote_code)
 
 
 def train_from_run(
@@ -79,6 +91,7 @@ class _Run:
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
+        require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)  # before any work
         self.target = make_target(target_path, cfg, ctx.device)
         self.target_path = target_path
         self._renderer = None
@@ -93,6 +106,7 @@ class _Run:
         self.consumed: list[tuple[str, int]] = [tuple(k) for k in ckpt["consumed_shards"]] if ckpt else []
         self.in_progress: dict | None = ckpt["in_progress"] if ckpt else None
         self.vocab_stats: dict | None = ckpt.get("vocab_stats") if ckpt else None
+        self.bad_shards: list[dict] = list(ckpt.get("bad_shards") or []) if ckpt else []
         self.feed = None
         total = cfg.total_steps
         if ctx.is_main:
@@ -113,36 +127,73 @@ class _Run:
         if ckpt:
             self.trainer.load_state(ckpt)
         self._last_saved_step = self.trainer.step if ckpt else -1
+        self._saved_bad = len(self.bad_shards)
         self.metrics_path = self.out / "metrics.jsonl"
+        self._cache: dict[str, list[D.Example]] = {}  # rank 0: examples read while picking a shard
 
     # --- shards -------------------------------------------------------------------------------------
     def _renderer_factory(self):
         if self._renderer is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.target_path, local_files_only=True)
+            tok = load_tokenizer(
+                self.target_path, trust_remote_code=self.cfg.trust_remote_code, setting=TRUST_SETTING
+            )
             self._renderer = D.ChatRenderer(tok)
         return self._renderer
 
-    def _examples(self, ref: ShardRef) -> list[D.Example]:
-        examples, stats = D.table_examples(
-            self.storage.read_table(ref.path), self._renderer_factory, self.cfg.max_length
-        )
+    def _samples(self) -> str:
+        if self.cfg.samples == "auto":  # follow what the target's template does, decided once
+            per_gen = self._renderer_factory().drops_thinking
+            self.cfg = self.cfg.model_copy(
+                update={"samples": "per_generation" if per_gen else "conversation"}
+            )
+            log.info("training samples: %s (from the target's chat template)", self.cfg.samples)
+        return self.cfg.samples
+
+    def _examples(self, ref: ShardRef) -> list[D.Example] | None:
+        """The shard's examples, read from our own data root; None (recorded, acked) if unreadable."""
+        path = RunLayout(self.storage, ref.run_id).output_shard(ref.shard_id)
+        samples = self._samples()  # a tokenizer that cannot load is the config's fault, not the shard's
+        try:
+            examples, stats = D.table_examples(
+                self.storage.read_table(path), self._renderer_factory, self.cfg.max_length, samples
+            )
+        except _UNREADABLE as e:
+            if not self.ctx.is_main:
+                raise  # rank 0 read the same file first and found it good
+            self._bad_shard(ref, path, e)
+            return None
         if self.ctx.is_main:
             log.info("shard %s/%d: %s", ref.run_id, ref.shard_id, stats)
         return examples
 
+    def _bad_shard(self, ref: ShardRef, path: str, err: BaseException) -> None:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
+        log.error(
+            "shard %s/%d cannot be trained on and is skipped (%s): %s", ref.run_id, ref.shard_id, path, reason
+        )
+        rec = {"run_id": ref.run_id, "shard_id": ref.shard_id, "path": path, "reason": reason}
+        self.bad_shards.append(rec)
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"bad_shard": rec}) + "\n")
+        self.feed.ack({ref.key})  # acked now: a restart must not meet it again
+
     def _next_local(self) -> ShardRef | None:
+        """The next shard not yet consumed whose examples load (cached for the training step)."""
         done = set(self.consumed)
         while (ref := self.feed.next(self.follow)) is not None:
-            if ref.key not in done:
+            if ref.key in done:
+                self.feed.ack({ref.key})  # checkpointed before a kill, never acked: ack now, do not retrain
+                continue
+            examples = self._examples(ref)
+            if examples is not None:
+                self._cache[ref.entry_id] = examples
                 return ref
-            self.feed.ack({ref.key})  # checkpointed before a kill, never acked: ack now, do not retrain
         return None
 
     # --- main loop ----------------------------------------------------------------------------------
     def run(self) -> dict:
-        cache: dict[str, list[D.Example]] = {}
+        cache = self._cache
         first: list[ShardRef] = []
         if self.vocab_stats is None:
             vocab = self._build_vocab(first, cache) if self.ctx.is_main else None
@@ -157,7 +208,7 @@ class _Run:
             if ref_d is None:
                 break
             ref = ShardRef(**ref_d)
-            examples = cache.pop(ref.entry_id, None) or self._examples(ref)
+            examples = cache.pop(ref.entry_id) if ref.entry_id in cache else self._examples(ref)
             self._train_shard(ref, examples)
             if self.ctx.is_main:
                 if self.feed.still_ours(ref):
@@ -168,7 +219,9 @@ class _Run:
                     )
                 if len(self.consumed) % self.cfg.checkpoint_every_shards == 0:
                     self._checkpoint(None)
-        if self.ctx.is_main and self.trainer.step != self._last_saved_step:
+        if self.ctx.is_main and (
+            self.trainer.step != self._last_saved_step or len(self.bad_shards) != self._saved_bad
+        ):
             self._checkpoint(None)
         consumed = broadcast_object(len(self.consumed), self.ctx)  # rank 0 alone keeps the list
         latest = self.out / "checkpoints" / "latest"
@@ -178,6 +231,7 @@ class _Run:
                 "consumed": consumed,
                 "checkpoint": latest.read_text().strip() if latest.exists() else None,
                 "vocab": self.vocab_stats,
+                "bad_shards": len(self.bad_shards),
             }
         )
 
@@ -195,7 +249,6 @@ class _Run:
             ref = self._next_local()
             if ref is None:
                 break
-            cache[ref.entry_id] = self._examples(ref)
             for ex in cache[ref.entry_id]:
                 counter.add(ex.ids, ex.mask)
             first.append(ref)
@@ -265,11 +318,13 @@ class _Run:
             consumed_shards=[list(k) for k in self.consumed],
             in_progress=in_progress,
             vocab_stats=self.vocab_stats,
+            bad_shards=self.bad_shards,
             target_path=str(self.target_path),
             run_id=self.run_id,
-            torch_version=torch.__version__,
+            torch_version=str(torch.__version__),  # a plain str: weights_only loads it
         )
         path = save_checkpoint(self.out, state, keep=self.cfg.keep_checkpoints)
         self._last_saved_step = self.trainer.step
+        self._saved_bad = len(self.bad_shards)
         acked = self.feed.ack(set(self.consumed))
         log.info("checkpoint %s (%d shards consumed, %d acked now)", path.name, len(self.consumed), acked)

@@ -48,6 +48,7 @@ class HFTarget:
         dtype: torch.dtype | None = None,
         aux_layer_ids: list[int] | None = None,
         model=None,
+        trust_remote_code: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -56,7 +57,9 @@ class HFTarget:
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if model is None:
             try:
-                model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, dtype=dtype, trust_remote_code=trust_remote_code
+                )
             except OSError as e:
                 raise ConfigError(f"--target {path}: not a local Hugging Face model directory ({e})") from e
         self.model = model.to(self.device).eval()

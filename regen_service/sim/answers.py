@@ -46,10 +46,30 @@ def tools_in_prompt(prompt_text: str) -> tuple[list[dict] | None, bool]:
         try:
             tools = json.loads(m.group(1))
         except ValueError:
-            tools = None
+            tools = _typescript_tools(m.group(1))
     turns = prompt_text.split(IM_END)
     last_user = len(turns) >= 2 and turns[-2].lstrip().startswith("<|im_user|>")
     return (tools if isinstance(tools, list) and tools else None), last_user
+
+
+_TS_TYPE = re.compile(r"^type (\w+) = \(_: ", re.M)
+_TS_FIELD = re.compile(r"^  (\w+)(\??): (string|number|boolean)\b", re.M)
+
+
+def _typescript_tools(text: str) -> list[dict] | None:
+    """Tools declared TypeScript-style (Kimi-K2.5's `tools_ts_str`): names and top-level scalar fields."""
+    starts = list(_TS_TYPE.finditer(text))
+    tools = []
+    for k, m in enumerate(starts):
+        body = text[m.end() : starts[k + 1].start() if k + 1 < len(starts) else len(text)]
+        fields = _TS_FIELD.findall(body)
+        params = {
+            "type": "object",
+            "properties": {name: {"type": kind} for name, _, kind in fields},
+            "required": [name for name, opt, _ in fields if not opt],
+        }
+        tools.append({"type": "function", "function": {"name": m.group(1), "parameters": params}})
+    return tools or None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ FIXED_AT_START = frozenset(
         "model",
         "tokenizer_path",
         "hf_model_path",
-        "incremental_streaming_output",
         "api_key",
     }
 )
@@ -37,6 +36,8 @@ class SimConfig(BaseModel):
     seed: int = 0
     model: str = "moonshotai/Kimi-K2.5"
     tokenizer_path: str | None = None
+    # Run Python code shipped in the tokenizer folder (its `auto_map`)? Only on the operator's word.
+    trust_remote_code: bool = False
     hf_model_path: str | None = None  # answer with this local causal LM's greedy decoding (hf_backend.py)
     api_key: str | None = None
 

@@ -55,7 +55,7 @@ class Prepared:
 class Engine:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.tok = load_tokenizer(cfg.tokenizer_path)
+        self.tok = load_tokenizer(cfg.tokenizer_path, trust_remote_code=cfg.trust_remote_code)
         self.stats = Stats()
         self.scheduler = Scheduler(lambda: self.cfg, self.stats)
         self._faults = FaultDecider(cfg.seed)

@@ -4,7 +4,9 @@ A directory with `tokenizer.json` is read with the `tokenizers` library and its 
 rendered by transformers' own torch-free renderer, so prompt token counts match what SGLang's
 `apply_chat_template` gives. Anything else (e.g. Kimi's tiktoken tokenizer with remote code) falls
 back to `transformers.AutoTokenizer` (local files only, never a download; this imports torch where
-it is installed). The synthetic vocabulary and the tokenizer interface are in tokenize.py.
+it is installed). Code shipped in the folder (an `auto_map` in its configs) runs only with
+`trust_remote_code` (`regen sim --trust-remote-code`); without it such a folder is refused with a
+message naming the flag. The synthetic vocabulary and the tokenizer interface are in tokenize.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import random
 from pathlib import Path
 
+from regen_service.errors import ConfigError
 from regen_service.sim.tokenize import IM_END, WORDS, word_weights
 
 # transformers' clean_up_tokenization, applied when the tokenizer config asks for it
@@ -20,9 +23,22 @@ _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # fmt: skip
 
 
+def _auto_map(root: Path) -> str | None:
+    """The config file of `root` that asks for remote code (an `auto_map`), if any."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            conf = json.loads((root / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(conf, dict) and conf.get("auto_map"):
+            return name
+    return None
+
+
 class HFTokenizer:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, trust_remote_code: bool = False) -> None:
         self.path = path
+        self.trust_remote_code = trust_remote_code
         root = Path(path)
         if (root / "tokenizer.json").is_file():
             self._load_light(root)
@@ -56,7 +72,15 @@ class HFTokenizer:
     def _load_auto(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        self._auto = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=True)
+        asks = _auto_map(Path(path))
+        if asks and not self.trust_remote_code:
+            raise ConfigError(
+                f"the tokenizer at {path} ships Python code ({asks} has an auto_map); it runs only if you "
+                "pass --trust-remote-code (do so only for a folder you trust, e.g. the target's own files)"
+            )
+        self._auto = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=self.trust_remote_code
+        )
         self._eos_id = self._auto.eos_token_id
 
     def _token_id(self, token: str) -> int | None:
