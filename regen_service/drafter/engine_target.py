@@ -20,11 +20,12 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import torch
 
-from regen_service.drafter.target import checked_aux_layer_ids, text_config
+from regen_service.drafter.target import checked_aux_layer_ids
 from regen_service.errors import ConfigError, RegenError
 
 
@@ -111,15 +112,15 @@ class VllmTarget:
         request_timeout_s: float = 600.0,
         api_key: str | None = None,
     ):
-        from transformers import AutoConfig
-
         self.path = path
         self.device = torch.device(device)
+        # config.json read as data: the engine runs the target's code (Kimi-K2.5's is remote code), the
+        # trainer only needs its text model's sizes, so it never imports the folder's Python.
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            raw = json.loads((Path(path) / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"--target {path}: not a local model directory with a config.json ({e})") from e
-        tc = text_config(config)
+        tc = SimpleNamespace(**(raw.get("text_config") or raw))
         self.text_config = tc
         self.num_layers: int = tc.num_hidden_layers
         self.hidden_size: int = tc.hidden_size
