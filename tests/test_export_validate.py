@@ -16,7 +16,7 @@ from regen_service.cli import main
 from regen_service.drafter.sglang_format import default_aux_inputs
 from tests.procs import regen_cmd
 
-H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 16
+H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 64  # head dim 64: one FlashInfer serves
 VOCAB, DRAFT_VOCAB, LAYERS = 500, 128, 12
 
 
@@ -175,7 +175,11 @@ def _set_aux(ids):
 
 
 PLANTED = {
-    "layers0": (dict(tensors=_rename_layers), "unknown_keys", ["layers.0.", "SKIP", "regen convert-draft"]),
+    "model_layers9": (
+        dict(tensors=lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(INTER, H)})),
+        "unknown_keys",
+        ["model.layers.9.mlp.up_proj.weight", "SKIP", "num_hidden_layers"],
+    ),
     "missing_key": (dict(tensors=lambda t: t.pop("norm.weight")), "missing_key", ["norm.weight"]),
     "architecture": (
         dict(cfg=lambda c: c.update(architectures=["LlamaForCausalLMEagle"])),
@@ -210,7 +214,8 @@ PLANTED = {
         ["100 rows", "draft_vocab_size is 128"],
     ),
     "aux_range": (dict(cfg=_set_aux([1, 5, 11])), "aux_range", ["[11]", "0..10", "id+1"]),
-    "aux_count": (dict(cfg=_set_aux([1, 5])), "aux_count", ["exactly 3"]),
+    # two ids: both engines build fc for 2 aux states, but the weights were trained on 3
+    "aux_count": (dict(cfg=_set_aux([1, 5])), "fc_width", ["2 aux layers", "2 * 64"]),
     "aux_repeat": (dict(cfg=_set_aux([2, 2, 1])), "aux_repeat", ["repeat", "[1, 5, 8]"]),
     "aux_order": (dict(cfg=_set_aux([5, 1, 8])), "aux_order", ["not increasing"]),
     "tied": (dict(cfg=lambda c: c.update(tie_word_embeddings=True)), "tied_embeddings", ["lm_head"]),
@@ -238,12 +243,15 @@ def test_all_problems_reported_at_once(exported):
     draft, target = exported
     _rewrite(
         draft,
-        tensors=lambda t: (t.pop("d2t"), _rename_layers(t)),
+        tensors=lambda t: (t.pop("d2t"), t.pop("norm.weight"), t.update(stray=torch.zeros(2))),
         cfg=lambda c: (c.update(architectures=["Eagle3Speculator"]), _set_aux([1, 5, 40])(c)),
     )
     res = cli("validate-draft", str(draft), "--target-config", str(target), "--json")
-    codes = {p["code"] for p in json.loads(res.output)["problems"]}
+    problems = json.loads(res.output)["problems"]
+    codes = {p["code"] for p in problems}
     assert {"d2t_missing", "unknown_keys", "architecture", "aux_range", "missing_key"} <= codes
+    # every refusal names the file to edit and the key in it
+    assert all(p["file"] and p["key"] for p in problems), problems
 
 
 def test_fc_width_against_another_target(exported, tmp_path):

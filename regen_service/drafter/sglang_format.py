@@ -1,9 +1,11 @@
 """What SGLang's `LlamaForCausalLMEagle3` loads: key names, shapes, config fields, aux-layer conventions.
 
 The single source of truth for export, validation, conversion and the launch preflight. Facts come
-from SGLang's `srt/models/llama_eagle3.py` (see shared/reference/eagle3.md): its loader tries each
-tensor name as is and with a `model.` prefix and SKIPS names it does not know without a message, so
-every name we write or accept must be one of these. Reading checkpoints is left to validate.py.
+from SGLang's `srt/models/llama_eagle3.py` as released in sglang 0.5.23 (the `serve` extra's pin; see
+docs/draft-checkpoints.md): its loader renames `midlayer` to `layers.0` (and `aux_norm_{low,mid,high}`
+to `fc_norm.{0,1,2}`), tries each name as is and with a `model.` prefix, and SKIPS names it does not
+know without a message, so every name we write or accept must be one of these. The MLA draft
+architecture lives in mla_format.py; reading checkpoints is left to validate*.py.
 """
 
 from __future__ import annotations
@@ -14,34 +16,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The SGLang release whose loaders the validator follows (llama_eagle3.py, kimi_k25_eagle3.py, llama.py
+# set_embed, speculative/eagle_worker_v2.py), and the vLLM release engine="vllm" follows.
+SGLANG_VERSION = "0.5.23"
+VLLM_VERSION = "0.32.0"
+# FlashInfer's prefill/decode kernels are built for these head dims only (sm90: flashinfer PR #751);
+# a Llama-style draft with another head dim fails to serve on SGLang (sglang issue #8126).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 SPEC_ALGORITHM = "EAGLE3"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
-# The decoder layer's tensors, relative to `midlayer.` (SGLang) or `layers.0.` (speculators).
-LAYER_KEYS = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "hidden_norm.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-)
-REQUIRED_KEYS = (
-    *(f"midlayer.{k}" for k in LAYER_KEYS),
-    "fc.weight",
-    "norm.weight",
-    "lm_head.weight",
-    "d2t",
-    "t2d",
-)
-# Loaded when present, never required: SGLang swaps in the target's embedding after loading, and
-# `fc.bias` only exists when the config says `"bias": true`.
-OPTIONAL_KEYS = ("embed_tokens.weight", "fc.bias")
+# Old names SGLang 0.5.23's llama_eagle3.py `load_weights` renames before loading (`legacy_name_map`).
+LEGACY_NAMES = {
+    "midlayer": "layers.0",
+    "aux_norm_low": "fc_norm.0",
+    "aux_norm_mid": "fc_norm.1",
+    "aux_norm_high": "fc_norm.2",
+}
 
 # The decoder layer's own config fields, copied into config.json by export and convert alike.
 LAYER_CONFIG_FIELDS = (
@@ -81,6 +73,47 @@ def canonical_key(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.") else name
 
 
+def llama_loader_name(name: str) -> str:
+    """The name SGLang 0.5.23's LlamaForCausalLMEagle3 looks a tensor up by: legacy names renamed (a plain
+    substring replace, as its loader does), the optional `model.` prefix dropped."""
+    for legacy, new in LEGACY_NAMES.items():
+        if legacy in name:
+            name = name.replace(legacy, new)
+    return canonical_key(name)
+
+
+def num_aux(cfg: dict) -> int:
+    """How many aux hidden states fc fuses: SGLang 0.5.23 and vLLM 0.32 both take the length of
+    eagle_config.eagle_aux_hidden_state_layer_ids (`num_aux_hidden_states` first), else 3."""
+    if cfg.get("num_aux_hidden_states"):
+        return int(cfg["num_aux_hidden_states"])
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else 3
+
+
+def fc_norm_enabled(cfg: dict) -> bool:
+    """EAGLE-3.1's per-aux RMSNorm before fc (`fc_norm`, or the older `use_aux_norm`)."""
+    return bool(cfg.get("fc_norm") or cfg.get("use_aux_norm"))
+
+
+def norm_before_fc_enabled(cfg: dict) -> bool:
+    """One RMSNorm over the concatenated aux states (`input_norm`); eagle_config's flag wins, as in both
+    engines' loaders."""
+    return bool((cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False)))
+
+
+def config_target_hidden(cfg: dict) -> int:
+    """The target hidden size the ENGINE builds fc for: the config's target_hidden_size, else hidden_size."""
+    return int(cfg.get("target_hidden_size") or cfg["hidden_size"])
+
+
+def embedding_shared(cfg: dict) -> bool:
+    """Whether SGLang replaces the draft's embedding with the target's: `set_embed` (srt/models/llama.py and
+    kimi_k25_eagle3.py) returns without sharing when the config's target_hidden_size differs from its
+    hidden_size, leaving the draft's own (loaded, or uninitialised) embedding."""
+    return cfg.get("target_hidden_size") in (None, cfg.get("hidden_size"))
+
+
 def head_dim(cfg: dict) -> int:
     """SGLang's Llama attention: `head_dim` when the config has it, else hidden_size // heads."""
     if cfg.get("head_dim"):
@@ -89,29 +122,67 @@ def head_dim(cfg: dict) -> int:
 
 
 def expected_shapes(cfg: dict, target_hidden: int) -> dict[str, tuple[int, ...]]:
-    """Shape of every required weight for a draft config, as SGLang allocates it."""
+    """Shape of every required weight for a draft config, as SGLang 0.5.23 allocates it, by the names its
+    loader resolves (`layers.N.*`; `midlayer.*` is the same layer 0). Layer 0 attends over
+    [embedding; hidden] (2H wide); extra layers (num_hidden_layers > 1) over H, their unused
+    input_layernorm is optional."""
     h = int(cfg["hidden_size"])
     inter = int(cfg["intermediate_size"])
     hd = head_dim(cfg)
     q = int(cfg["num_attention_heads"]) * hd
     kv = int(cfg["num_key_value_heads"]) * hd
-    return {
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
-        "midlayer.mlp.gate_proj.weight": (inter, h),
-        "midlayer.mlp.up_proj.weight": (inter, h),
-        "midlayer.mlp.down_proj.weight": (h, inter),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "fc.weight": (h, 3 * target_hidden),
-        "norm.weight": (h,),
-        "lm_head.weight": (int(cfg["draft_vocab_size"]), h),
-        "d2t": (int(cfg["draft_vocab_size"]),),
-        "t2d": (int(cfg["vocab_size"]),),
+    n_aux = num_aux(cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(int(cfg.get("num_hidden_layers") or 1)):
+        width = 2 * h if i == 0 else h
+        pre = f"layers.{i}."
+        shapes.update(
+            {
+                pre + "self_attn.q_proj.weight": (q, width),
+                pre + "self_attn.k_proj.weight": (kv, width),
+                pre + "self_attn.v_proj.weight": (kv, width),
+                pre + "self_attn.o_proj.weight": (h, q),
+                pre + "mlp.gate_proj.weight": (inter, h),
+                pre + "mlp.up_proj.weight": (inter, h),
+                pre + "mlp.down_proj.weight": (h, inter),
+                pre + "hidden_norm.weight": (h,),
+                pre + "post_attention_layernorm.weight": (h,),
+            }
+        )
+        if i == 0:
+            shapes[pre + "input_layernorm.weight"] = (h,)
+    shapes.update(aux_shapes(cfg, target_hidden, h, n_aux))
+    shapes.update(
+        {
+            "norm.weight": (h,),
+            "lm_head.weight": (int(cfg["draft_vocab_size"]), h),
+            "d2t": (int(cfg["draft_vocab_size"]),),
+            "t2d": (int(cfg["vocab_size"]),),
+        }
+    )
+    return shapes
+
+
+def aux_shapes(cfg: dict, target_hidden: int, h: int, n_aux: int) -> dict[str, tuple[int, ...]]:
+    """fc and the norms before it, common to the Llama and MLA drafts."""
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, n_aux * target_hidden)}
+    if fc_norm_enabled(cfg):
+        shapes.update({f"fc_norm.{i}.weight": (target_hidden,) for i in range(n_aux)})
+    if norm_before_fc_enabled(cfg):
+        shapes["input_norm.weight"] = (n_aux * target_hidden,)
+    return shapes
+
+
+def optional_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Loaded when present: the draft's own embedding, fc.bias, extra layers' unused input_layernorm."""
+    h = int(cfg["hidden_size"])
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (int(cfg["vocab_size"]), h),
+        "fc.bias": (h,),
     }
+    for i in range(1, int(cfg.get("num_hidden_layers") or 1)):
+        shapes[f"layers.{i}.input_layernorm.weight"] = (h,)
+    return shapes
 
 
 # Aux layers. Training captures layer INPUTS (hidden_states[i] of a Hugging Face model: the residual
@@ -140,15 +211,19 @@ def default_aux_inputs(num_layers: int) -> list[int]:
     return [1, 1 + (top - 1) // 2, top]
 
 
-def aux_input_problem(inputs: list[int], num_layers: int) -> tuple[str, str] | None:
+def aux_input_problem(inputs: list[int], num_layers: int, count: int | None = 3) -> tuple[str, str] | None:
     """(code, why) these captured layer inputs cannot train or serve a draft, or None when they can:
-    EAGLE-3 fuses three DISTINCT layers in increasing order, each the input of one of the target's layers."""
-    if len(inputs) != 3:
-        return "aux_count", f"{len(inputs)} aux layers {inputs}; EAGLE-3 fuses exactly 3"
-    if len(set(inputs)) != 3:
+    EAGLE-3 fuses `count` (None: any number, as SGLang 0.5.23 and vLLM 0.32 size fc from the ids) DISTINCT
+    layers in increasing order, each the input of one of the target's layers."""
+    if count is not None and len(inputs) != count:
+        return "aux_count", f"{len(inputs)} aux layers {inputs}; EAGLE-3 fuses exactly {count}"
+    if not inputs:
+        return "aux_count", "no aux layers; EAGLE-3 fuses at least one"
+    if len(set(inputs)) != len(inputs):
         return (
             "aux_repeat",
-            f"aux layers {inputs} repeat a layer: the engine captures fewer than 3 distinct ones",
+            f"aux layers {inputs} repeat a layer: the engine captures {len(set(inputs))} distinct ones for "
+            f"an fc over {len(inputs)}",
         )
     if list(inputs) != sorted(inputs):
         return (
