@@ -119,3 +119,81 @@ def test_convert_validation_failure_leaves_nothing(tmp_path):
     assert res.exit_code == 1 and "d2t_missing" in res.output
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+# speculators' eagle3 training defaults (src/speculators/train/config/resolution.py): norm_before_residual,
+# norm_before_fc and norm_output on, fc_norm off.
+SPECULATORS_DEFAULTS = dict(norm_before_residual=True, norm_before_fc=True, norm_output=True, fc_norm=False)
+
+
+def _add(src: Path, **extra: torch.Tensor) -> None:
+    t = load_file(str(src / "model.safetensors"))
+    t.update(extra)
+    save_file(t, str(src / "model.safetensors"))
+
+
+def test_speculators_current_defaults_are_refused_with_the_reason(tmp_path):
+    src = make_speculators_draft(tmp_path / "spec", **SPECULATORS_DEFAULTS)
+    _add(src, **{"input_norm.weight": torch.ones(3 * 64)})
+    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"))
+    assert res.exit_code == 1
+    for needle in (
+        "config.json",
+        "norm_before_residual",
+        "SGLang 0.5.23",
+        "vLLM",
+        "--no-norm-before-residual",
+    ):
+        assert needle in res.output, (needle, res.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_speculators_config_without_norm_before_residual_is_refused(tmp_path):
+    src = make_speculators_draft(tmp_path / "spec")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("norm_before_residual")
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"))
+    assert res.exit_code == 1 and "does not say" in res.output and "vLLM 0.32 assumes true" in res.output
+
+
+def test_norm_before_fc_and_norm_output_are_carried_over(tmp_path):
+    src = make_speculators_draft(tmp_path / "spec", **{**SPECULATORS_DEFAULTS, "norm_before_residual": False})
+    _add(src, **{"input_norm.weight": torch.full((3 * 64,), 2.0)})
+    target = make_target(tmp_path / "target")
+    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(target))
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True and "fc_norm" not in cfg
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(tensors["input_norm.weight"], torch.full((3 * 64,), 2.0))
+    ok = cli("validate-draft", str(tmp_path / "out"), "--target-config", str(target), "--json")
+    assert ok.exit_code == 0 and json.loads(ok.output)["summary"]["format"] == "eagle3.1"
+
+
+def test_fc_norm_and_extra_layers_are_converted(tmp_path):
+    from tests.test_draft_formats import extra_layer
+
+    src = make_speculators_draft(tmp_path / "spec", fc_norm=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["transformer_layer_config"]["num_hidden_layers"] = 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    _add(src, **{f"fc_norm.{i}.weight": torch.ones(64) for i in range(3)}, **extra_layer(1))
+    target = make_target(tmp_path / "target")
+    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(target))
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["fc_norm"] is True and out["num_hidden_layers"] == 2
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "layers.1.self_attn.q_proj.weight" in tensors and "fc_norm.2.weight" in tensors
+
+
+def test_convert_keeps_the_embedding_when_hidden_sizes_differ(tmp_path):
+    src = make_speculators_draft(tmp_path / "spec", target_hidden_size=96)
+    _add(src, **{"fc.weight": torch.zeros(64, 3 * 96)})
+    target = make_target(tmp_path / "target", hidden=96)
+    res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(target))
+    assert res.exit_code == 0, res.output
+    assert "kept embed_tokens.weight" in res.output
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert tensors["embed_tokens.weight"].shape == (VOCAB, 64)

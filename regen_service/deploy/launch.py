@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from regen_service.client.auth import load_api_key
+from regen_service.drafter import mla_format as mla
 from regen_service.drafter import sglang_format as fmt
 from regen_service.drafter.validate import DraftReport, validate_draft
 from regen_service.errors import ConfigError
@@ -104,9 +105,13 @@ def draft_architecture(draft: Path) -> str | None:
     return archs[0]
 
 
-def _eagle_refusal(draft: str) -> str:
+# Both EAGLE-3 draft architectures SGLang serves (Llama-style and MLA) need the aux-state capture.
+EAGLE3_ARCHITECTURES = (fmt.ARCHITECTURE, mla.ARCHITECTURE)
+
+
+def _eagle_refusal(draft: str, arch: str = fmt.ARCHITECTURE) -> str:
     return (
-        f"refusing --speculative-algorithm EAGLE for {draft}: it is an EAGLE-3 draft ({fmt.ARCHITECTURE}). "
+        f"refusing --speculative-algorithm EAGLE for {draft}: it is an EAGLE-3 draft ({arch}). "
         "Under EAGLE the target passes only its final hidden state to the draft, the fc shape check is "
         "skipped, the draft sees the wrong input and nothing is accepted (accept length 1.00), with no "
         "error. Use --speculative-algorithm EAGLE3 (the default here)"
@@ -132,9 +137,9 @@ def build_launch(spec: LaunchSpec) -> Launch:
             raise DraftPreflightError(f"draft {draft} failed validation; not launching", report)
         arch = draft_architecture(draft)
         algo = (spec.speculative_algorithm or fmt.SPEC_ALGORITHM).upper()
-        if arch == fmt.ARCHITECTURE and algo != fmt.SPEC_ALGORITHM:
+        if arch in EAGLE3_ARCHITECTURES and algo != fmt.SPEC_ALGORITHM:
             raise ConfigError(
-                _eagle_refusal(spec.draft) if algo == "EAGLE" else f"{algo} cannot serve {arch}"
+                _eagle_refusal(spec.draft, arch) if algo == "EAGLE" else f"{algo} cannot serve {arch}"
             )
         argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.draft]
         argv += ["--speculative-num-steps", str(spec.spec.num_steps)]

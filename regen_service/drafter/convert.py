@@ -2,9 +2,12 @@
 
 speculators writes `layers.0.*` (SGLang: `midlayer.*`), `architectures: ["Eagle3Speculator"]`, the
 decoder dims under `transformer_layer_config`, and aux ids in vLLM's convention (captured layer
-INPUTS, default [2, L//2, L-3]); SGLang's loader would skip every `layers.0.*` tensor silently. The
-mapping is documented in docs/draft-checkpoints.md; SGLang's side is in sglang_format.py. Variants
-SGLang cannot express (norm_before_residual, norm_before_fc, several decoder layers) are refused.
+INPUTS, default [2, L//2, L-3]). speculators' training defaults (src/speculators/train/config: eagle3
+turns on norm_before_residual, norm_before_fc and norm_output) map onto SGLang 0.5.23 as follows:
+norm_before_fc (`input_norm.weight`), fc_norm (`fc_norm.N.weight`), norm_output and extra decoder layers
+are config flags SGLang's llama_eagle3.py builds, so they are carried over; norm_before_residual has no
+SGLang counterpart and is refused with the reason (vLLM serves such a draft as it is). The mapping is
+documented in docs/draft-checkpoints.md; SGLang's side is in sglang_format.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from regen_service.errors import ConfigError
 
 # Where speculators versions (and hand-written configs) put the aux layer ids; vLLM convention.
 _AUX_FIELDS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_hidden_state_layer_ids")
-_DROPPED = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+# The verifier's copies speculators keeps for training; never loaded by an engine.
+_DROPPED = ("verifier_norm.weight", "verifier_lm_head.weight")
+# EAGLE-3.1 / gpt-oss flags SGLang 0.5.23 reads from a draft config (llama_eagle3.py), copied when true.
+_CARRIED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def is_speculators_config(cfg: dict) -> bool:
@@ -45,19 +51,27 @@ def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, 
             "source config.json is not a speculators EAGLE-3 config (no speculators_model_type 'eagle3', "
             "no Eagle3Speculator architecture, no transformer_layer_config)"
         )
+    if "norm_before_residual" not in src_cfg:
+        # speculators' config class defaults it to false, vLLM 0.32's speculators adapter to true
+        # (transformers_utils/configs/speculators/algos.py): the function the draft computes is unknown.
+        raise ConfigError(
+            "config.json does not say whether the draft was trained with norm_before_residual: speculators' "
+            "config class defaults it to false, vLLM 0.32 assumes true. Set it in the source config.json to "
+            "what training used (speculators' eagle3 training default is true)"
+        )
     if src_cfg.get("norm_before_residual"):
         raise ConfigError(
-            "this draft was trained with norm_before_residual=true; SGLang's EAGLE-3 layer keeps the residual "
-            "before hidden_norm and would compute a different function. Retrain with norm_before_residual=false"
-        )
-    if src_cfg.get("norm_before_fc"):
-        raise ConfigError(
-            "this draft normalizes before fc (norm_before_fc, input_norm); SGLang has no such layer"
+            "config.json norm_before_residual is true (speculators' eagle3 training default): the first layer "
+            "takes hidden_norm(fc output) as its residual, and SGLang 0.5.23's llama_eagle3.py has no such "
+            "option (it keeps the un-normalised fc output), so converted it would serve a different function "
+            "without an error. Serve this directory with vLLM as it is (--speculative-config "
+            '\'{"method": "eagle3", "model": SRC}\'; vLLM 0.32 reads speculators configs and honours '
+            "norm_before_residual), or retrain with --no-norm-before-residual for SGLang"
         )
     layer = src_cfg.get("transformer_layer_config") or {}
-    if int(layer.get("num_hidden_layers", 1)) != 1:
+    if src_cfg.get("fc_norm") and src_cfg.get("norm_before_fc"):
         raise ConfigError(
-            f"the draft has {layer['num_hidden_layers']} decoder layers; regen converts one-layer EAGLE-3 drafts"
+            "config.json sets both fc_norm and norm_before_fc, which speculators itself refuses"
         )
     notes: list[str] = []
     cfg: dict = {
@@ -67,6 +81,11 @@ def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, 
         **fmt.DEFAULT_CONFIG_FIELDS,
     }
     cfg.update({k: layer[k] for k in fmt.LAYER_CONFIG_FIELDS if layer.get(k) is not None})
+    cfg["num_hidden_layers"] = int(layer.get("num_hidden_layers") or 1)
+    for flag in _CARRIED_FLAGS:
+        if src_cfg.get(flag):
+            cfg[flag] = True
+            notes.append(f"{flag}: true carried over (SGLang {fmt.SGLANG_VERSION} builds it)")
     cfg["draft_vocab_size"] = int(src_cfg.get("draft_vocab_size") or cfg.get("vocab_size"))
     cfg["target_hidden_size"] = int(src_cfg.get("target_hidden_size") or cfg.get("hidden_size"))
     cfg["tie_word_embeddings"] = False
@@ -88,21 +107,21 @@ def convert_config(src_cfg: dict, target: fmt.TargetInfo | None) -> tuple[dict, 
 
 
 def convert_tensors(src: dict, cfg: dict, notes: list[str]) -> dict:
-    """Rename speculators tensors to SGLang's names; derive d2t/t2d from each other when one is missing."""
+    """Rename speculators tensors to SGLang's names; keep the embedding only where the engine will not share
+    the target's; derive d2t/t2d from each other when one is missing."""
     import torch
 
     out = {}
+    own_embedding = not fmt.embedding_shared(cfg)
     for name, t in src.items():
         key = fmt.canonical_key(name)
         if key in _DROPPED:
             continue
-        if key.startswith("layers."):
-            idx, _, rest = key[len("layers.") :].partition(".")
-            if idx != "0":
-                raise ConfigError(f"tensor {name}: regen converts one-layer drafts only")
-            key = f"midlayer.{rest}"
-        if key == "input_norm.weight":
-            raise ConfigError("the draft has input_norm (norm_before_fc); SGLang has no such layer")
+        if key == "embed_tokens.weight" and not own_embedding:
+            # SGLang replaces it with the target's (set_embed); vLLM would keep a copy that differs
+            continue
+        if key.startswith("layers.0."):
+            key = "midlayer." + key[len("layers.0.") :]  # layer 0's name in every SGLang release
         if key == "fc.bias":
             if not torch.any(t != 0):
                 notes.append("dropped fc.bias (all zeros)")
@@ -120,6 +139,11 @@ def convert_tensors(src: dict, cfg: dict, notes: list[str]) -> dict:
             t2d[hot] = True
             out["t2d"] = t2d
             notes.append("derived t2d from d2t")
+    if own_embedding:
+        notes.append(
+            f"kept embed_tokens.weight: hidden_size {cfg['hidden_size']} differs from the target's "
+            f"{cfg['target_hidden_size']}, so the engine cannot share the target's embedding"
+        )
     if "d2t" not in out and "t2d" not in out and cfg["draft_vocab_size"] == cfg.get("vocab_size"):
         # Full vocabulary draft: the identity map is the right one.
         out["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
@@ -145,7 +169,10 @@ def convert_draft(
     files = sorted(src.glob("*.safetensors"))
     if not cfg_path.is_file() or not files:
         raise ConfigError(f"{src} must hold config.json and *.safetensors (a speculators draft directory)")
-    cfg, notes = convert_config(json.loads(cfg_path.read_text()), target)
+    try:
+        cfg, notes = convert_config(json.loads(cfg_path.read_text()), target)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_path}: {e}") from e
     tensors: dict = {}
     for f in files:
         tensors.update(load_file(str(f)))

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from regen_service.drafter import mla_format as mla
 from regen_service.drafter import sglang_format as fmt
 from regen_service.drafter.validate import DraftReport, validate_draft
 from regen_service.errors import ConfigError
@@ -58,10 +59,16 @@ def _load_state(step: Path) -> dict:
 
 def build_config(draft_config: dict, aux_inputs: list[int], engine: fmt.Engine = "sglang") -> dict:
     """The draft's config.json from the trainer's draft_config and the captured aux layer inputs, with
-    the aux ids in `engine`'s convention (recorded under "regen" so validate-draft can tell them apart)."""
-    missing = [k for k in fmt.REQUIRED_CONFIG_FIELDS if k not in draft_config]
+    the aux ids in `engine`'s convention (recorded under "regen" so validate-draft can tell them apart).
+    A draft_config naming the MLA architecture (`architectures` or `draft_arch: "mla"`) gets the MLA
+    draft's config (mla_format.build_config)."""
+    is_mla = mla.is_mla(draft_config) or draft_config.get("draft_arch") == "mla"
+    required = mla.REQUIRED_CONFIG_FIELDS if is_mla else fmt.REQUIRED_CONFIG_FIELDS
+    missing = [k for k in required if draft_config.get(k) is None]
     if missing:
         raise ConfigError(f"checkpoint draft_config lacks {', '.join(missing)}; the trainer must record them")
+    if is_mla:
+        return _with_aux(mla.build_config(draft_config), aux_inputs, engine)
     cfg = {
         "architectures": [fmt.ARCHITECTURE],
         "model_type": "llama",
@@ -73,6 +80,16 @@ def build_config(draft_config: dict, aux_inputs: list[int], engine: fmt.Engine =
             cfg[key] = draft_config[key]
     cfg.setdefault("target_hidden_size", cfg["hidden_size"])
     cfg["tie_word_embeddings"] = False
+    # EAGLE-3.1 flags and extra decoder layers, which SGLang 0.5.23 and vLLM 0.32 build from the config
+    for key in ("fc_norm", "norm_before_fc", "norm_output"):
+        if draft_config.get(key):
+            cfg[key] = True
+    cfg["num_hidden_layers"] = int(draft_config.get("num_hidden_layers") or 1)
+    return _with_aux(cfg, aux_inputs, engine)
+
+
+def _with_aux(cfg: dict, aux_inputs: list[int], engine: fmt.Engine) -> dict:
+    cfg.setdefault("target_hidden_size", cfg["hidden_size"])
     cfg["eagle_config"] = {
         # Training captured layer INPUTS; SGLang's config names layer OUTPUTS and adds 1, vLLM does not.
         "eagle_aux_hidden_state_layer_ids": fmt.aux_inputs_to_config(aux_inputs, engine),
@@ -158,8 +175,11 @@ def export_checkpoint(
         if key not in state:
             raise ConfigError(f"{step}/state.pt lacks {key!r}: not a regen trainer checkpoint")
     tensors = {fmt.canonical_key(k): v for k, v in state["draft_state_dict"].items()}
-    tensors.pop("embed_tokens.weight", None)  # both engines use the target's embedding
     cfg = build_config(dict(state["draft_config"]), list(state["aux_layer_ids"]), engine)
+    if fmt.embedding_shared(cfg):
+        tensors.pop("embed_tokens.weight", None)  # both engines use the target's embedding
+    # else a draft narrower/wider than its target keeps the embedding it was trained with: SGLang's
+    # set_embed does not share the target's then, and validation refuses a draft without one
     if cfg["draft_vocab_size"] == cfg["vocab_size"]:
         # The identity map: vLLM refuses a d2t it did not allocate, SGLang reads its absence as identity.
         tensors.pop("d2t", None)
