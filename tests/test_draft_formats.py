@@ -146,6 +146,14 @@ def _layers0(t):
 LLAMA_CASES = {
     "eagle3_1_fc_norm_norm_output": (_fc_norm, dict(fc_norm=True, norm_output=True), "sglang", set()),
     "eagle3_1_legacy_aux_norm_names": (_legacy_aux_norms, dict(use_aux_norm=True), "sglang", set()),
+    # vLLM 0.32 reads neither `use_aux_norm` nor the old names: its loader raises on them
+    "eagle3_1_legacy_aux_norm_names_vllm": (
+        _legacy_aux_norms,
+        dict(use_aux_norm=True),
+        "vllm",
+        {"unknown_keys"},
+    ),
+    "eagle3_1_fc_norm_vllm": (_fc_norm, dict(fc_norm=True, norm_output=True), "vllm", set()),
     "eagle3_1_fc_norm_flag_without_weights": (None, dict(fc_norm=True), "sglang", {"missing_key"}),
     "eagle3_1_fc_norm_weights_without_flag": (_fc_norm, {}, "sglang", {"unknown_keys"}),
     "norm_before_fc": (

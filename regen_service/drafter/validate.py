@@ -107,18 +107,18 @@ def validate_draft(
     if all(cfg.get(k) is not None for k in required_fields(cfg)):
         t_hidden = target.hidden_size if target else fmt.config_target_hidden(cfg)
         check_tensors(rep, cfg, header, owner, kind, t_hidden, engine)
-        _check_vocab_map(rep, cfg, header, owner, kind, target)
+        _check_vocab_map(rep, cfg, header, owner, kind, target, engine)
     _check_aux(rep, cfg, target, engine)
     rep.summary = _summary(cfg, header, files, target, engine, kind)
     return rep
 
 
 def _check_vocab_map(
-    rep, cfg: dict, header: dict, owner: dict, kind: str, target: fmt.TargetInfo | None
+    rep, cfg: dict, header: dict, owner: dict, kind: str, target: fmt.TargetInfo | None, engine: fmt.Engine
 ) -> None:
     import numpy as np
 
-    names = resolved_names(header, kind)
+    names = resolved_names(header, kind, engine)
     vocab = target.vocab_size if target else int(cfg["vocab_size"])
     n_draft = int(cfg["draft_vocab_size"])
     hot = None

@@ -21,9 +21,16 @@ if TYPE_CHECKING:
 _NP_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
 
 
-def resolved_names(header: dict, kind: str) -> dict[str, str]:
-    """Loader name -> name in the file."""
-    resolve = mla.loader_name if kind == "mla" else fmt.llama_loader_name
+def resolved_names(header: dict, kind: str, engine: fmt.Engine = "sglang") -> dict[str, str]:
+    """Loader name -> name in the file. vLLM 0.32's Llama draft maps only `midlayer.` to `layers.0.` (its
+    `hf_to_vllm_mapper`) and prefixes `model.` itself, so it knows neither SGLang's legacy norm names
+    nor a `model.` prefix (its loader raises on them)."""
+    if kind == "mla":
+        resolve = mla.loader_name
+    elif engine == "vllm":
+        resolve = lambda k: k.replace("midlayer.", "layers.0.")  # noqa: E731
+    else:
+        resolve = fmt.llama_loader_name
     return {resolve(k): k for k in header}
 
 
@@ -36,7 +43,9 @@ def shape_tables(cfg: dict, kind: str, t_hidden: int) -> tuple[dict, dict]:
 def check_tensors(
     rep: DraftReport, cfg: dict, header: dict, owner: dict, kind: str, t_hidden: int, engine: fmt.Engine
 ) -> None:
-    names = resolved_names(header, kind)
+    names = resolved_names(header, kind, engine)
+    if engine == "vllm":
+        cfg = {k: v for k, v in cfg.items() if k != "use_aux_norm"}  # vLLM 0.32 reads `fc_norm` only
     required, optional = shape_tables(cfg, kind, t_hidden)
     file_of = lambda name: owner[names[name]].name if name in names else fmt.WEIGHTS_FILE  # noqa: E731
     unknown = sorted(names[n] for n in names if n not in required and n not in optional)
