@@ -11,7 +11,6 @@ architecture lives in mla_format.py; reading checkpoints is left to validate*.py
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any, Literal
 
@@ -287,20 +286,3 @@ def load_target_info(path: str | Path) -> TargetInfo:
         raise ValueError(f"target config {p} lacks {', '.join(missing)} (also looked under text_config)")
     get = lambda k: text.get(k, cfg.get(k))  # noqa: E731
     return TargetInfo(get("hidden_size"), get("num_hidden_layers"), get("vocab_size"), str(p))
-
-
-def read_safetensors_header(path: str | Path) -> dict[str, dict]:
-    """Tensor name -> {dtype, shape, data_offsets} from the file's JSON header; reads no tensor data,
-    needs no torch (validation must run on a CPU box in a second)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise ValueError(f"{path} is not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    for entry in header.values():
-        entry["data_start"] = 8 + n
-    return header

@@ -19,7 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from regen_service.drafter import sglang_format as fmt
 from regen_service.drafter.validate_config import check_config, draft_kind, required_fields
-from regen_service.drafter.validate_tensors import check_tensors, read_small_tensor, resolved_names
+from regen_service.drafter.validate_tensors import (
+    check_tensors,
+    read_safetensors_header,
+    read_small_tensor,
+    resolved_names,
+)
 
 _AUX_KEY = "eagle_config.eagle_aux_hidden_state_layer_ids"
 
@@ -98,7 +103,7 @@ def validate_draft(
     header: dict[str, dict] = {}
     owner: dict[str, Path] = {}
     for f in files:
-        for name, entry in fmt.read_safetensors_header(f).items():
+        for name, entry in read_safetensors_header(f).items():
             header[name] = entry
             owner[name] = f
 

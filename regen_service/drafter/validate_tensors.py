@@ -9,6 +9,8 @@ validate_config.py's.
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -215,3 +217,20 @@ def read_small_tensor(path: Path, entry: dict):
     with open(path, "rb") as f:
         f.seek(entry["data_start"] + b)
         return np.frombuffer(f.read(e - b), dtype=dt).reshape(entry["shape"])
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, dict]:
+    """Tensor name -> {dtype, shape, data_offsets} from the file's JSON header; reads no tensor data,
+    needs no torch (validation must run on a CPU box in a second)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    for entry in header.values():
+        entry["data_start"] = 8 + n
+    return header
