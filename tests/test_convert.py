@@ -178,7 +178,10 @@ def test_fc_norm_and_extra_layers_are_converted(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["transformer_layer_config"]["num_hidden_layers"] = 2
     (src / "config.json").write_text(json.dumps(cfg))
-    _add(src, **{f"fc_norm.{i}.weight": torch.ones(64) for i in range(3)}, **extra_layer(1))
+    # speculators' extra layers are plain decoder layers: input_layernorm before attention, no hidden_norm
+    _add(
+        src, **{f"fc_norm.{i}.weight": torch.ones(64) for i in range(3)}, **extra_layer(1, "input_layernorm")
+    )
     target = make_target(tmp_path / "target")
     res = cli("convert-draft", str(src), "--out", str(tmp_path / "out"), "--target-config", str(target))
     assert res.exit_code == 0, res.output
@@ -186,6 +189,9 @@ def test_fc_norm_and_extra_layers_are_converted(tmp_path):
     assert out["fc_norm"] is True and out["num_hidden_layers"] == 2
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert "layers.1.self_attn.q_proj.weight" in tensors and "fc_norm.2.weight" in tensors
+    # SGLang 0.5.23 normalises an extra layer's input with hidden_norm: the trained weight goes there
+    assert torch.equal(tensors["layers.1.hidden_norm.weight"], torch.full((64,), 1.5))
+    assert "layers.1.input_layernorm.weight" not in tensors
 
 
 def test_convert_keeps_the_embedding_when_hidden_sizes_differ(tmp_path):

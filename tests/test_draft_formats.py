@@ -54,8 +54,9 @@ def llama_cfg(**over) -> dict:
     }
 
 
-def extra_layer(i: int) -> dict[str, torch.Tensor]:
-    """An extra decoder layer: attends over H (not [embedding; hidden]), no input_layernorm needed."""
+def extra_layer(i: int, norm: str = "hidden_norm") -> dict[str, torch.Tensor]:
+    """An extra decoder layer: attends over H (not [embedding; hidden]); its pre-attention norm is named
+    `hidden_norm` for SGLang 0.5.23, `input_layernorm` for vLLM 0.32 and speculators."""
     r = lambda *s: torch.randn(*s) * 0.02  # noqa: E731
     pre = f"layers.{i}."
     return {
@@ -66,7 +67,7 @@ def extra_layer(i: int) -> dict[str, torch.Tensor]:
         pre + "mlp.gate_proj.weight": r(INTER, H),
         pre + "mlp.up_proj.weight": r(INTER, H),
         pre + "mlp.down_proj.weight": r(H, INTER),
-        pre + "hidden_norm.weight": torch.ones(H),
+        pre + f"{norm}.weight": torch.full((H,), 1.5),
         pre + "post_attention_layernorm.weight": torch.ones(H),
     }
 
@@ -190,6 +191,25 @@ LLAMA_CASES = {
         "sglang",
         {"unknown_keys"},
     ),
+    # the engines differ on an extra layer's pre-attention norm: SGLang hidden_norm, vLLM input_layernorm
+    "extra_layer_vllm_style_on_sglang": (
+        lambda t: t.update(extra_layer(1, norm="input_layernorm")),
+        dict(num_hidden_layers=2),
+        "sglang",
+        {"missing_key"},
+    ),
+    "extra_layer_vllm_style_on_vllm": (
+        lambda t: t.update(extra_layer(1, norm="input_layernorm")),
+        dict(num_hidden_layers=2),
+        "vllm",
+        set(),
+    ),
+    "extra_layer_sglang_style_on_vllm": (
+        lambda t: t.update(extra_layer(1)),
+        dict(num_hidden_layers=2),
+        "vllm",
+        {"missing_key"},
+    ),
     "norm_before_residual_sglang": (
         None,
         dict(norm_before_residual=True),
@@ -230,6 +250,8 @@ def test_llama_style_formats(tmp_path, case):
     assert rc == (1 if codes else 0)
     for p in errors.values():  # every refusal names the file, the key and the fix
         assert p["file"] in ("config.json", "model.safetensors") and p["key"] and p["fix"], p
+    if case.startswith("extra_layer_") and codes == {"missing_key"}:
+        assert "rename layers.1." in errors["missing_key"]["message"], errors
     if not codes:
         assert rep["summary"]["engine_version"] == ("sglang 0.5.23" if engine == "sglang" else "vllm 0.32.0")
 

@@ -5,7 +5,8 @@ decoder dims under `transformer_layer_config`, and aux ids in vLLM's convention 
 INPUTS, default [2, L//2, L-3]). speculators' training defaults (src/speculators/train/config: eagle3
 turns on norm_before_residual, norm_before_fc and norm_output) map onto SGLang 0.5.23 as follows:
 norm_before_fc (`input_norm.weight`), fc_norm (`fc_norm.N.weight`), norm_output and extra decoder layers
-are config flags SGLang's llama_eagle3.py builds, so they are carried over; norm_before_residual has no
+are config flags SGLang's llama_eagle3.py builds, so they are carried over (an extra layer's
+input_layernorm becomes its hidden_norm, the norm SGLang applies there); norm_before_residual has no
 SGLang counterpart and is refused with the reason (vLLM serves such a draft as it is). The mapping is
 documented in docs/draft-checkpoints.md; SGLang's side is in sglang_format.py.
 """
@@ -122,6 +123,10 @@ def convert_tensors(src: dict, cfg: dict, notes: list[str]) -> dict:
             continue
         if key.startswith("layers.0."):
             key = "midlayer." + key[len("layers.0.") :]  # layer 0's name in every SGLang release
+        elif key.startswith("layers.") and key.endswith(".input_layernorm.weight"):
+            # speculators' extra layers are plain decoder layers normalising their input with
+            # input_layernorm; SGLang 0.5.23's apply hidden_norm there (and ignore input_layernorm)
+            key = key[: -len("input_layernorm.weight")] + "hidden_norm.weight"
         if key == "fc.bias":
             if not torch.any(t != 0):
                 notes.append("dropped fc.bias (all zeros)")

@@ -120,17 +120,17 @@ def head_dim(cfg: dict) -> int:
     return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
 
 
-def expected_shapes(cfg: dict, target_hidden: int) -> dict[str, tuple[int, ...]]:
-    """Shape of every required weight for a draft config, as SGLang 0.5.23 allocates it, by the names its
+def expected_shapes(cfg: dict, target_hidden: int, engine: str = "sglang") -> dict[str, tuple[int, ...]]:
+    """Shape of every required weight for a draft config, as the engine allocates it, by the names its
     loader resolves (`layers.N.*`; `midlayer.*` is the same layer 0). Layer 0 attends over
-    [embedding; hidden] (2H wide); extra layers (num_hidden_layers > 1) over H, their unused
-    input_layernorm is optional."""
+    [embedding; hidden] (2H wide), extra layers (num_hidden_layers > 1) over H. The extra layers'
+    pre-attention norm is the one place the engines differ: SGLang 0.5.23 applies `hidden_norm` there,
+    vLLM 0.32 (and speculators' training) `input_layernorm`; the other one is unused."""
     h = int(cfg["hidden_size"])
     inter = int(cfg["intermediate_size"])
     hd = head_dim(cfg)
     q = int(cfg["num_attention_heads"]) * hd
     kv = int(cfg["num_key_value_heads"]) * hd
-    n_aux = num_aux(cfg)
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(int(cfg.get("num_hidden_layers") or 1)):
         width = 2 * h if i == 0 else h
@@ -144,13 +144,14 @@ def expected_shapes(cfg: dict, target_hidden: int) -> dict[str, tuple[int, ...]]
                 pre + "mlp.gate_proj.weight": (inter, h),
                 pre + "mlp.up_proj.weight": (inter, h),
                 pre + "mlp.down_proj.weight": (h, inter),
-                pre + "hidden_norm.weight": (h,),
                 pre + "post_attention_layernorm.weight": (h,),
             }
         )
         if i == 0:
-            shapes[pre + "input_layernorm.weight"] = (h,)
-    shapes.update(aux_shapes(cfg, target_hidden, h, n_aux))
+            shapes.update({pre + "hidden_norm.weight": (h,), pre + "input_layernorm.weight": (h,)})
+        else:
+            shapes[pre + EXTRA_LAYER_NORM[engine]] = (h,)
+    shapes.update(aux_shapes(cfg, target_hidden, h, num_aux(cfg)))
     shapes.update(
         {
             "norm.weight": (h,),
@@ -160,6 +161,12 @@ def expected_shapes(cfg: dict, target_hidden: int) -> dict[str, tuple[int, ...]]
         }
     )
     return shapes
+
+
+# The norm an extra draft layer applies before attention, per engine (SGLang 0.5.23 llama_eagle3.py
+# `LlamaDecoderLayer.forward`: `self.hidden_norm(hidden_states, residual)`; vLLM 0.32 llama_eagle3.py:
+# `self.input_layernorm(hidden_states, residual)`).
+EXTRA_LAYER_NORM = {"sglang": "hidden_norm.weight", "vllm": "input_layernorm.weight"}
 
 
 def aux_shapes(cfg: dict, target_hidden: int, h: int, n_aux: int) -> dict[str, tuple[int, ...]]:
@@ -172,15 +179,16 @@ def aux_shapes(cfg: dict, target_hidden: int, h: int, n_aux: int) -> dict[str, t
     return shapes
 
 
-def optional_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Loaded when present: the draft's own embedding, fc.bias, extra layers' unused input_layernorm."""
+def optional_shapes(cfg: dict, engine: str = "sglang") -> dict[str, tuple[int, ...]]:
+    """Loaded when present: the draft's own embedding, fc.bias, the extra layers' unused norm."""
     h = int(cfg["hidden_size"])
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens.weight": (int(cfg["vocab_size"]), h),
         "fc.bias": (h,),
     }
+    unused = EXTRA_LAYER_NORM["vllm" if engine == "sglang" else "sglang"]
     for i in range(1, int(cfg.get("num_hidden_layers") or 1)):
-        shapes[f"layers.{i}.input_layernorm.weight"] = (h,)
+        shapes[f"layers.{i}.{unused}"] = (h,)
     return shapes
 
 

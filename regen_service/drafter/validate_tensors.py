@@ -36,10 +36,10 @@ def resolved_names(header: dict, kind: str, engine: fmt.Engine = "sglang") -> di
     return {resolve(k): k for k in header}
 
 
-def shape_tables(cfg: dict, kind: str, t_hidden: int) -> tuple[dict, dict]:
+def shape_tables(cfg: dict, kind: str, t_hidden: int, engine: fmt.Engine) -> tuple[dict, dict]:
     if kind == "mla":
         return mla.expected_shapes(cfg, t_hidden), mla.optional_shapes(cfg)
-    return fmt.expected_shapes(cfg, t_hidden), fmt.optional_shapes(cfg)
+    return fmt.expected_shapes(cfg, t_hidden, engine), fmt.optional_shapes(cfg, engine)
 
 
 def check_tensors(
@@ -48,7 +48,7 @@ def check_tensors(
     names = resolved_names(header, kind, engine)
     if engine == "vllm":
         cfg = {k: v for k, v in cfg.items() if k != "use_aux_norm"}  # vLLM 0.32 reads `fc_norm` only
-    required, optional = shape_tables(cfg, kind, t_hidden)
+    required, optional = shape_tables(cfg, kind, t_hidden, engine)
     file_of = lambda name: owner[names[name]].name if name in names else fmt.WEIGHTS_FILE  # noqa: E731
     unknown = sorted(names[n] for n in names if n not in required and n not in optional)
     if unknown:
@@ -90,7 +90,7 @@ def check_tensors(
             file=file_of("d2t"),
             key="d2t",
         )
-    _check_missing(rep, names, required, identity, kind)
+    _check_missing(rep, names, required, identity, kind, engine)
     _check_embedding(rep, cfg, names, file_of, t_hidden)
     for name, want in {**required, **optional}.items():
         if name in names:
@@ -107,7 +107,9 @@ def check_tensors(
         )
 
 
-def _check_missing(rep: DraftReport, names: dict, required: dict, identity: bool, kind: str) -> None:
+def _check_missing(
+    rep: DraftReport, names: dict, required: dict, identity: bool, kind: str, engine: fmt.Engine
+) -> None:
     for key in required:
         if key in names or (identity and key in ("d2t", "t2d")):
             continue
@@ -124,18 +126,31 @@ def _check_missing(rep: DraftReport, names: dict, required: dict, identity: bool
             )
             continue
         fused = kind == "mla" and ("q_a_proj" in key or "kv_a_proj_with_mqa" in key)
+        why = " (SGLang fuses q_a_proj with kv_a_proj_with_mqa only when both are present)" if fused else ""
+        other = _other_engine_norm(key, engine)
+        if other and other in names:
+            why = (
+                f" ({engine} normalises an extra layer's input with {key.split('.')[-2]}; this draft carries "
+                f"{other.split('.')[-2]}, which the other engine uses and {engine} ignores: rename "
+                f"{names[other]} to {shown} to serve it with {engine})"
+            )
         rep.add(
             "missing_key",
-            f"required tensor {shown} is missing: the engine would leave it uninitialized"
-            + (
-                " (SGLang fuses q_a_proj with kv_a_proj_with_mqa only when both are present)" if fused else ""
-            ),
+            f"required tensor {shown} is missing: the engine would leave it uninitialized" + why,
             "re-export the draft (`regen export`), or convert it (`regen convert-draft`) if it is a "
             "speculators draft; a config flag (fc_norm, norm_before_fc, num_hidden_layers) may declare "
             "weights the draft was not trained with",
             file=fmt.WEIGHTS_FILE,
             key=shown,
         )
+
+
+def _other_engine_norm(key: str, engine: fmt.Engine) -> str | None:
+    """For an extra layer's pre-attention norm: the name the other engine uses for it."""
+    mine = fmt.EXTRA_LAYER_NORM[engine]
+    if not key.startswith("layers.") or key.startswith("layers.0.") or not key.endswith(mine):
+        return None
+    return key[: -len(mine)] + fmt.EXTRA_LAYER_NORM["vllm" if engine == "sglang" else "sglang"]
 
 
 def _check_embedding(rep: DraftReport, cfg: dict, names: dict, file_of, t_hidden: int) -> None:
