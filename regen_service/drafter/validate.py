@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from regen_service.drafter import sglang_format as fmt
-from regen_service.drafter.validate_config import check_config, draft_kind, required_fields
+from regen_service.drafter.validate_config import check_config, draft_kind, format_name, required_fields
 from regen_service.drafter.validate_tensors import (
     check_tensors,
     read_safetensors_header,
@@ -241,7 +241,7 @@ def _summary(
     )
     return {
         "architecture": (cfg.get("architectures") or [None])[0],
-        "format": _format_name(cfg, kind),
+        "format": format_name(cfg, kind),
         # the engine release whose loaders this verdict follows (the `serve` extra pins SGLang to it)
         "engine_version": f"sglang {fmt.SGLANG_VERSION}"
         if engine == "sglang"
@@ -262,15 +262,6 @@ def _summary(
         "file_bytes": sum(f.stat().st_size for f in files),
         "target": target.as_dict() if target else None,
     }
-
-
-def _format_name(cfg: dict, kind: str) -> str:
-    """eagle3 / eagle3.1 (fc_norm or norm_output) / +N layers, and -mla for the MLA draft."""
-    name = "eagle3.1" if fmt.fc_norm_enabled(cfg) or cfg.get("norm_output") else "eagle3"
-    if kind == "mla":
-        name += "-mla"
-    layers = int(cfg.get("num_hidden_layers") or 1)
-    return name + (f" ({layers} layers)" if layers > 1 else "")
 
 
 def format_report(rep: DraftReport) -> str:
@@ -298,5 +289,7 @@ def format_report(rep: DraftReport) -> str:
             f"  parameters {s['parameters']:,}, {s['file_bytes'] / 1e6:.1f} MB, dtypes {', '.join(s['dtypes'])}"
         )
     else:
-        lines.append(f"REFUSED: {len(rep.errors)} problem(s) in {rep.path}")
+        followed = rep.summary.get("engine_version")
+        against = f" (checked against {followed}'s loaders)" if followed else ""
+        lines.append(f"REFUSED: {len(rep.errors)} problem(s) in {rep.path}{against}")
     return "\n".join(lines)

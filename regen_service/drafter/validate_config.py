@@ -36,6 +36,15 @@ def draft_kind(cfg: dict) -> str:
     return "mla" if mla.is_mla(cfg) else "llama"
 
 
+def format_name(cfg: dict, kind: str) -> str:
+    """eagle3 / eagle3.1 (fc_norm or norm_output) / +N layers, and -mla for the MLA draft."""
+    name = "eagle3.1" if fmt.fc_norm_enabled(cfg) or cfg.get("norm_output") else "eagle3"
+    if kind == "mla":
+        name += "-mla"
+    layers = int(cfg.get("num_hidden_layers") or 1)
+    return name + (f" ({layers} layers)" if layers > 1 else "")
+
+
 def required_fields(cfg: dict) -> tuple[str, ...]:
     return mla.REQUIRED_CONFIG_FIELDS if draft_kind(cfg) == "mla" else fmt.REQUIRED_CONFIG_FIELDS
 
