@@ -29,10 +29,10 @@ from regen_service.drafter.train import DraftTrainer
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
 
 
-def train_cfg(ttt: int, lr: float = 1e-4) -> SimpleNamespace:
+def train_cfg(ttt: int, lr: float = 1e-4, attention: str = "auto") -> SimpleNamespace:
     return SimpleNamespace(
         seed=0, ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, warmup_ratio=0.015,
-        min_lr_ratio=0.1, grad_clip=0.5, bf16=True,
+        min_lr_ratio=0.1, grad_clip=0.5, bf16=True, attention=attention,
     )  # fmt: skip
 
 
@@ -54,9 +54,9 @@ def model_flops(c: DraftConfig, t: int, ttt: int) -> float:
     return 3 * fwd
 
 
-def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000):
+def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto"):
     emb = torch.randn(c.vocab_size, c.hidden_size) * 0.02
-    tr = DraftTrainer(train_cfg(ttt, lr), c, emb, ctx, steps)
+    tr = DraftTrainer(train_cfg(ttt, lr, attention), c, emb, ctx, steps)
     d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)  # draft ids = the first N target ids
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[: c.draft_vocab_size] = True
@@ -76,18 +76,24 @@ def timed(fn, n: int) -> float:
 def bench_draft(a) -> dict:
     ctx = init_distributed("cuda")
     c = draft_shapes(4096, 32, 8, 14336, 128256, 32000)
-    tr = make_trainer(c, a.ttt, ctx)
+    tr = make_trainer(c, a.ttt, ctx, attention=a.attention)
     b, t = a.batch, a.seq
     aux = torch.randn(b, t, 3 * 4096, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 32000, (b, t), device="cuda")
     mask = torch.ones_like(ids)
-    step = lambda: tr.train_batch(aux, ids, ids, mask)  # noqa: E731
-    timed(step, 2)
+    # soft targets (the default objective): the target's logits over the draft vocabulary
+    dl = (
+        torch.randn(b, t, c.draft_vocab_size, device="cuda", dtype=torch.bfloat16)
+        if a.target == "soft"
+        else None
+    )
+    step = lambda: tr.train_batch(aux, ids, ids, mask, draft_logits=dl)  # noqa: E731
+    timed(step, 3)
     torch.cuda.reset_peak_memory_stats()
     dt = timed(step, a.steps)
     fl = model_flops(c, t, a.ttt) * b
     return {
-        "mode": "draft", "shapes": "llama-3.1-8b", "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(dt, 4),
+        "mode": "draft", "shapes": "llama-3.1-8b", "target": a.target, "attention": a.attention, "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(dt, 4),
         "tokens_per_s": round(b * t / dt), "model_tflop_per_step": round(fl / 1e12, 2),
         "mfu_vs_989": round(fl / dt / PEAK_BF16, 4), "mfu_vs_790_measured": round(fl / dt / 790e12, 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -172,6 +178,8 @@ def main() -> None:
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+    p.add_argument("--target", choices=("soft", "hard"), default="soft")
+    p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
     a = p.parse_args()
     res = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp}[a.mode](a)
     if torch.cuda.is_available():

@@ -37,7 +37,9 @@ def _draft(ckpt: dict, target: HFTarget, trained: bool) -> Eagle3Draft:
 
 def test_training_raises_accept_length(settings, tmp_path):
     torch.manual_seed(0)
-    target_dir = make_tiny_target(tmp_path / "target", embed_scale=10.0)
+    # logit_scale: a peaked next-token distribution, as a trained LLM has (a random head spreads it near
+    # uniformly, leaving the soft targets, the default objective, nothing to learn from)
+    target_dir = make_tiny_target(tmp_path / "target", embed_scale=10.0, logit_scale=30.0)
     ledger = register_run(settings, "run-a", num_shards=3, rows_per_shard=48)
     for shard in range(3):
         publish_shard(

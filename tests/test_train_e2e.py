@@ -28,7 +28,9 @@ def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_p
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
-    target_dir = make_tiny_target(tmp_path / "target", embed_scale=10.0)
+    # logit_scale: a peaked next-token distribution, as a trained LLM has (a random head spreads it near
+    # uniformly, leaving the soft targets, the default objective, nothing to learn from)
+    target_dir = make_tiny_target(tmp_path / "target", embed_scale=10.0, logit_scale=30.0)
     tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     # prompts: random plain-token text, the same token pool the held-out check draws from
     rng = random.Random(1)

@@ -20,7 +20,9 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # data
-    max_length: int = Field(default=2048, ge=8)
+    # tokens per sequence (longer ones are cut): Kimi-K2.5's thinking answers run long; docs/training.md
+    # gives the peak memory per length at Kimi shapes
+    max_length: int = Field(default=8192, ge=8)
     batch_size: int = Field(default=1, ge=1)  # sequences per rank per step
     epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
     seed: int = 0
@@ -48,6 +50,11 @@ class TrainConfig(BaseModel):
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
+    # what the draft learns at each position: the target's distribution over the draft vocabulary ("soft",
+    # the EAGLE-3 objective) or its argmax ("hard")
+    target: Literal["soft", "hard"] = "soft"
+    # draft attention in training: "flex" (block-sparse, CUDA), "eager" (the reference), "auto" = flex on CUDA
+    attention: Literal["auto", "flex", "eager"] = "auto"
     # training-time test
     ttt_length: int = Field(default=7, ge=1)
     ttt_decay: float = Field(default=0.8, gt=0, le=1)
@@ -60,7 +67,7 @@ class TrainConfig(BaseModel):
     # cosine length; None = estimated from the run's prompt count, epochs, batch size and ranks
     total_steps: int | None = Field(default=None, ge=1)
     grad_clip: float = Field(default=0.5, gt=0)
-    bf16: bool = True  # autocast on GPU; the CPU always runs fp32
+    bf16: bool = True  # bf16 parameters + fp32 master weights on GPU; the CPU always runs fp32
     # checkpoints: after every N consumed shards, and every N steps inside a shard (0 = off)
     checkpoint_every_shards: int = Field(default=1, ge=1)
     checkpoint_every_steps: int = Field(default=0, ge=0)

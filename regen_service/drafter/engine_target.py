@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import torch
 
-from regen_service.drafter.target import checked_aux_layer_ids
+from regen_service.drafter.target import checked_aux_layer_ids, head_outputs
 from regen_service.errors import ConfigError, RegenError
 
 
@@ -203,28 +203,48 @@ class VllmTarget:
             raise EngineStateError(f"{path} holds another sequence's states than the one sent")
         return got["hidden_states"], int(data["choices"][0]["token_ids"][0])
 
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+    def _normed(self, last: torch.Tensor) -> torch.Tensor:
         x = last.to(self.device, torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps) * self._norm_w
-        return x.to(self._lm_head.dtype) @ self._lm_head.T
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps) * self._norm_w
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return self._normed(last).to(self._lm_head.dtype) @ self._lm_head.T
 
     @torch.no_grad()
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        aux, pred, _ = self.states(input_ids, attention_mask)
+        return aux, pred
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        draft_token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """As HFTarget.states: the last captured layer through the final norm and only the draft rows of
+        lm_head for the draft-vocab logits (the full head only for the argmax, a chunk at a time)."""
         b, t = input_ids.shape
         lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [t] * b
         seqs = [input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
         results = list(self._pool.map(self._states, seqs))
         aux = torch.zeros(b, t, 3 * self.hidden_size, dtype=torch.bfloat16, device=self.device)
         pred = torch.zeros(b, t, dtype=torch.int64, device=self.device)
+        draft = None
+        if draft_token_ids is not None:
+            draft = torch.zeros(b, t, len(draft_token_ids), dtype=torch.float32, device=self.device)
         for i, (states, _) in enumerate(results):
             n = states.shape[0]
             aux[i, :n] = states[:, :3].reshape(n, -1).to(self.device, aux.dtype)
-            pred[i, :n] = self._logits(states[:, 3]).argmax(-1)
-        return aux, pred
-
-    __call__ = forward
+            p, d = head_outputs(self._normed(states[:, 3])[None], self._lm_head, draft_token_ids)
+            pred[i, :n] = p[0]
+            if draft is not None:
+                draft[i, :n] = d[0]
+        return aux, pred, draft
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

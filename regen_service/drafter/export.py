@@ -75,7 +75,7 @@ def build_config(draft_config: dict, aux_inputs: list[int], engine: fmt.Engine =
         "num_hidden_layers": 1,
         **fmt.DEFAULT_CONFIG_FIELDS,
     }
-    for key in (*fmt.LAYER_CONFIG_FIELDS, "draft_vocab_size", "target_hidden_size"):
+    for key in (*fmt.LAYER_CONFIG_FIELDS, "draft_vocab_size", "target_hidden_size", "rope_scaling"):
         if draft_config.get(key) is not None:
             cfg[key] = draft_config[key]
     cfg.setdefault("target_hidden_size", cfg["hidden_size"])

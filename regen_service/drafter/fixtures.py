@@ -33,10 +33,13 @@ def make_tiny_target(
     kv_heads: int = 2,
     seed: int = 0,
     embed_scale: float = 1.0,
+    logit_scale: float = 1.0,
 ) -> Path:
     """embed_scale > 1 makes the token's own embedding dominate the residual stream, so the random
     model's next token depends mostly on the current token and less on the context (a structured,
-    learnable target; with 1.0 its greedy text is close to noise)."""
+    learnable target; with 1.0 its greedy text is close to noise). logit_scale > 1 sharpens its
+    next-token distribution: a random head spreads it near uniformly over the vocabulary (entropy
+    ~ln V), where trained LLMs put most mass on a few tokens, which is what soft targets learn from."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
@@ -56,6 +59,7 @@ def make_tiny_target(
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(embed_scale)
+        model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return Path(path)
@@ -98,17 +102,24 @@ def greedy_rows(
     seed: int = 0,
     words: int = 12,
     pool: int = 64,
+    temperature: float = 0.0,
 ) -> list[dict]:
-    """n rows answered by the target's greedy decoding (one batch: the prompts share a length)."""
+    """n rows answered by the target's greedy decoding (one batch: the prompts share a length), or
+    sampled at `temperature` > 0 (seeded by `seed`): answers off the greedy path, where soft and hard
+    targets differ."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(target_path, local_files_only=True).eval()
     prompts = random_prompts(tok, n, words, seed, pool)
     x = torch.tensor(prompts)
+    sample = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
+    )
+    torch.manual_seed(seed)
     out = model.generate(
-        x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-        pad_token_id=tok.pad_token_id,
+        x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        pad_token_id=tok.pad_token_id, **({"do_sample": False} | sample),
     )  # fmt: skip
     rows = []
     for i, prompt in enumerate(prompts):

@@ -5,18 +5,25 @@ with no renaming. The frozen `embed_tokens` is the target's and is left out of t
 (SGLang replaces the draft's embedding with the target's at load). Attention takes a per-step cache:
 the first entry holds the keys/values of every prefix position (causal); each later entry holds one
 key/value per query position (the draft's own earlier steps), as SpecForge's training-time test and
-chain decoding both need. The TTT loss lives in ttt.py, the vocabulary in vocab.py.
-Imports torch only (the GPU benchmark runs it where pydantic may be missing).
+chain decoding both need. Two attention paths compute the same function: `eager` (the reference:
+full scores, masked, fp32 softmax; any prefix length; the CPU's) and `flex` (flexattn.py: block-sparse,
+GQA without repeat_interleave; CUDA training). Rotary tables (with the target's YaRN scaling) come
+from rope.py; on CUDA the norm, rotary and SwiGLU elementwise work is compiled. The TTT loss lives in
+ttt.py, the vocabulary in vocab.py. Imports torch only (the GPU benchmark runs it without pydantic).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from regen_service.drafter import flexattn
+from regen_service.drafter.rope import RotaryTable, apply_rope
 
 EXCLUDED_KEYS = ("embed_tokens.weight",)
 
@@ -34,6 +41,9 @@ class DraftConfig:
     vocab_size: int  # the target's vocabulary (embedding rows, t2d length)
     draft_vocab_size: int
     target_hidden_size: int
+    rope_scaling: dict | None = (
+        None  # the target's (YaRN for Kimi-K2.5): the engine applies it from config.json
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,35 +61,44 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _on(x, _rms_norm)(x, self.weight, self.eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half form). x: [B, h, T, d]; positions: [B, T]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, d/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=None)
+
+
+def _on(x: torch.Tensor, fn):
+    """fn compiled (fused elementwise kernels) on CUDA; plain on the CPU, where tests need no compiler."""
+    return _compiled(fn) if x.is_cuda else fn
 
 
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.c = c
+        self.impl = "eager"  # or "flex" (the trainer picks it; flexattn.available says where it can train)
         h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
         self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
-        """x: [B, T, 2H]. Appends this step's (k, v) to `cache` and attends to all of it.
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list) -> torch.Tensor:
+        """x: [B, T, 2H]; cos/sin [B or 1, 1, T, d]. Appends this step's (k, v) to `cache` (grouped
+        kv heads, not repeated) and attends to all of it.
 
         cache[0] is the prefix (length Tk >= T; query t sits at key Tk - T + t, causal); every later
         entry has exactly one key per query (that query's own earlier draft steps)."""
@@ -88,22 +107,35 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        rep = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        rot = _on(x, apply_rope)
+        q, k = rot(q, cos, sin), rot(k, cos, sin)
         cache.append((k, v))
         scale = 1.0 / math.sqrt(c.head_dim)
-        k0, v0 = cache[0]
-        tk = k0.shape[2]
-        s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, Tk]
-        qi = torch.arange(t, device=x.device)[:, None] + (tk - t)
-        s0 = s0.masked_fill(torch.arange(tk, device=x.device)[None, :] > qi, float("-inf"))
-        diag = [((q * kj).sum(-1, keepdim=True) * scale) for kj, _ in cache[1:]]  # each [B, h, T, 1]
-        p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
-        out = torch.matmul(p[..., :tk], v0)
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + p[..., tk + j : tk + j + 1] * vj
+        if self.impl == "flex" and cache[0][0].shape[2] == t:
+            kk = torch.cat([kj for kj, _ in cache], 2) if len(cache) > 1 else k
+            vv = torch.cat([vj for _, vj in cache], 2) if len(cache) > 1 else v
+            out = flexattn.ttt_attention(q, kk, vv, scale)
+        else:
+            out = eager_attention(q, cache, scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def eager_attention(q: torch.Tensor, cache: list, scale: float) -> torch.Tensor:
+    """The reference: full [B, h, T, Tk + steps] scores, masked, fp32 softmax (today's numerics)."""
+    _b, nh, t, _ = q.shape
+    rep = nh // cache[0][0].shape[1]
+    kv = [(kj.repeat_interleave(rep, 1), vj.repeat_interleave(rep, 1)) for kj, vj in cache]
+    k0, v0 = kv[0]
+    tk = k0.shape[2]
+    s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, Tk]
+    qi = torch.arange(t, device=q.device)[:, None] + (tk - t)
+    s0 = s0.masked_fill(torch.arange(tk, device=q.device)[None, :] > qi, float("-inf"))
+    diag = [((q * kj).sum(-1, keepdim=True) * scale) for kj, _ in kv[1:]]  # each [B, h, T, 1]
+    p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
+    out = torch.matmul(p[..., :tk], v0)
+    for j, (_, vj) in enumerate(kv[1:]):
+        out = out + p[..., tk + j : tk + j + 1] * vj
+    return out
 
 
 class MLP(nn.Module):
@@ -114,7 +146,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_on(x, _swiglu)(self.gate_proj(x), self.up_proj(x)))
 
 
 class MidLayer(nn.Module):
@@ -128,10 +160,10 @@ class MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, emb, hidden, positions, cache) -> torch.Tensor:
+    def forward(self, emb, hidden, cos, sin, cache) -> torch.Tensor:
         residual = hidden
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
-        hidden = residual + self.self_attn(x, positions, cache)
+        hidden = residual + self.self_attn(x, cos, sin, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -145,6 +177,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.rope_scaling)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         # target id -> draft id (or -1); derived from t2d, so not saved
@@ -165,10 +198,20 @@ class Eagle3Draft(nn.Module):
         if prefix + "d2t" in state_dict:
             self.set_vocab(state_dict[prefix + "d2t"], state_dict[prefix + "t2d"])
 
+    def set_attention(self, impl: str) -> None:
+        if impl not in ("eager", "flex"):
+            raise ValueError(f"attention impl {impl!r}: allowed eager, flex")
+        self.midlayer.self_attn.impl = impl
+
+    def step_hidden(self, input_ids, hidden, cos, sin, cache):
+        """One draft step from rotary tables already indexed: output hidden [B,T,H] (no logits)."""
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        return self.midlayer(emb, hidden, cos, sin, cache)
+
     def step(self, input_ids, hidden, positions, cache):
         """One draft step: returns (output hidden [B,T,H], draft-vocab logits [B,T,N])."""
-        emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        out = self.midlayer(emb, hidden, positions, cache)
+        cos, sin = self.rotary.at(positions, hidden.dtype)
+        out = self.step_hidden(input_ids, hidden, cos, sin, cache)
         return out, self.lm_head(self.norm(out))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

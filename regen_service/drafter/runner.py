@@ -131,6 +131,13 @@ class _Run:
         self.metrics_path = self.out / "metrics.jsonl"
         self._cache: dict[str, list[D.Example]] = {}  # rank 0: examples read while picking a shard
 
+    def _draft_ids(self):
+        """Target ids of the draft vocabulary for soft targets (the target's logits over them); None = hard."""
+        if self.cfg.target != "soft":
+            return None
+        d = self.trainer.draft
+        return d.draft_to_target(torch.arange(d.config.draft_vocab_size, device=d.d2t.device))
+
     # --- shards -------------------------------------------------------------------------------------
     def _renderer_factory(self):
         if self._renderer is None:
@@ -277,8 +284,10 @@ class _Run:
             for b in range(batch0 if epoch == epoch0 else 0, n):
                 chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [exs[:1]])[0], 0.0)
                 batch = D.collate(chunk)
-                aux, tgt = self.target(batch["input_ids"], batch["attention_mask"])
-                metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight)
+                aux, tgt, dl = self.target.states(
+                    batch["input_ids"], batch["attention_mask"], self._draft_ids()
+                )
+                metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl)
                 if tr.step % cfg.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)
                 mid_shard = b + 1 < n or epoch + 1 < cfg.epochs

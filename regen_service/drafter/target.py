@@ -3,7 +3,10 @@
 It gives what the draft trains on: the three auxiliary hidden states (INPUTS of layers
 `aux_layer_ids`, SGLang's convention; default [2, L//2, L-3], i.e. hidden_states[2], [L//2], [L-3]
 of output_hidden_states, where hidden_states[0] is the embedding output) concatenated to 3H, and
-the target's greedy next token per position. Multimodal targets keep the text model's config under
+the target's greedy next token per position; `states(..., draft_token_ids=...)` also gives the
+target's logits over the draft vocabulary (soft targets), from the final hidden state through only
+those rows of lm_head, position chunk by position chunk (`head_outputs`, shared with the vLLM
+backend), so no [B, T, V] fp32 logits of a 163840-token vocabulary exist. Multimodal targets keep the text model's config under
 `text_config`; sizes are read from there. Never downloads (local_files_only). Serving the target
 through SGLang for training is left to others; this backend is the HF one.
 """
@@ -38,6 +41,28 @@ def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
             f"aux_layer_ids: {problem[1]}; set three distinct increasing ids in 1..{num_layers - 1}"
         )
     return ids
+
+
+HEAD_CHUNK_ELEMS = 1 << 26  # logits elements per position chunk (the full-vocab argmax)
+
+
+@torch.no_grad()
+def head_outputs(
+    hidden: torch.Tensor, head: torch.Tensor, draft_token_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [B, T, H] (after the final norm), head [V, H] (lm_head) -> (argmax [B, T] over the full
+    vocabulary, logits over the draft vocabulary [B, T, N] fp32 or None). Full-vocab logits are made
+    a chunk of positions at a time in the head's dtype, only for the argmax."""
+    b, t, h = hidden.shape
+    x = hidden.reshape(b * t, h).to(head.dtype)
+    pred = torch.empty(b * t, dtype=torch.int64, device=x.device)
+    chunk = max(1, HEAD_CHUNK_ELEMS // head.shape[0])
+    for s in range(0, b * t, chunk):
+        pred[s : s + chunk] = (x[s : s + chunk] @ head.T).argmax(-1)
+    draft = None
+    if draft_token_ids is not None:
+        draft = (x @ head[draft_token_ids.to(head.device)].T).float().reshape(b, t, -1)
+    return pred.reshape(b, t), draft
 
 
 class HFTarget:
@@ -76,11 +101,16 @@ class HFTarget:
         return self.model.get_input_embeddings().weight
 
     @torch.no_grad()
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (aux hidden [B, T, 3H], target's greedy next token per position [B, T])."""
-        out = self.model(
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        draft_token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """-> (aux hidden [B, T, 3H], greedy next token [B, T], logits over `draft_token_ids` [B, T, N] or None)."""
+        # the base model, not the causal LM: its last hidden state (after the final norm) goes through
+        # lm_head here, a chunk at a time, instead of the LM's full [B, T, V] logits
+        out = self.model.get_decoder()(
             input_ids=input_ids.to(self.device),
             attention_mask=None if attention_mask is None else attention_mask.to(self.device),
             output_hidden_states=True,
@@ -88,7 +118,17 @@ class HFTarget:
         )
         hs = out.hidden_states
         aux = torch.cat([hs[i] for i in self.aux_layer_ids], -1)
-        return aux, out.logits.argmax(-1)
+        pred, draft = head_outputs(
+            out.last_hidden_state, self.model.get_output_embeddings().weight, draft_token_ids
+        )
+        return aux, pred, draft
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (aux hidden [B, T, 3H], target's greedy next token per position [B, T])."""
+        aux, pred, _ = self.states(input_ids, attention_mask)
+        return aux, pred
 
     __call__ = forward
 

@@ -1,0 +1,66 @@
+"""Block-sparse attention for the training-time test: the TTT mask as a flex_attention mask_mod.
+
+At TTT step n (0-based) each query t attends to the step-0 keys causally (kv <= t) and to exactly
+one key in each of the n later segments: its own earlier draft step (kv % T == t). Keys of all
+steps are concatenated to [B, kv_heads, T*(n+1), d]; flex_attention visits only the 128x128 blocks
+the mask touches (the causal triangle plus one diagonal block per segment), never building the
+[B, heads, T, T*(n+1)] score matrix, and reads grouped keys directly (enable_gqa). Block masks
+are cached per (T, n, device). The kernel is compiled on CUDA; flex_attention has no CPU backward,
+so the CPU trains with the eager reference (model.Attention) and the CPU tests compare the two
+forwards. The per-step key/value bookkeeping is model.py's. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - torch < 2.5
+    create_block_mask = flex_attention = None
+
+BLOCK = 128
+
+
+def available(device: torch.device) -> bool:
+    """Whether the flex path can train here (CUDA and a torch that has flex_attention)."""
+    return flex_attention is not None and device.type == "cuda"
+
+
+def ttt_mask_mod(t: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((kv_idx < t) & (kv_idx <= q_idx)) | ((kv_idx >= t) & (kv_idx % t == q_idx))
+
+    return mask_mod
+
+
+@functools.lru_cache(maxsize=256)
+def ttt_block_mask(t: int, segments: int, device: str):
+    """The BlockMask for T queries over `segments` key segments of length T (step segments-1)."""
+    return create_block_mask(
+        ttt_mask_mod(t),
+        None,
+        None,
+        t,
+        t * segments,
+        device=device,
+        BLOCK_SIZE=BLOCK,
+        _compile=device != "cpu",
+    )
+
+
+@functools.cache
+def _compiled():
+    # compiled once; dynamic=None lets it generalise over sequence lengths after the first change
+    return torch.compile(flex_attention, dynamic=None)
+
+
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, T, d]; k, v [B, KV, T*n, d] (all steps so far): the TTT-masked attention, [B, H, T, d]."""
+    t = q.shape[2]
+    dev = q.device
+    bm = ttt_block_mask(t, k.shape[2] // t, str(dev))
+    fn = _compiled() if dev.type == "cuda" else flex_attention
+    return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -1,0 +1,95 @@
+"""The draft-vocabulary loss fused with lm_head: logits made and consumed chunk by chunk.
+
+`head_loss(x, w, row_weight, target_probs=..., prob_rows=... | target_ids=...)` returns
+sum_r row_weight[r] * CE_r, where CE_r is the cross-entropy of softmax(x_r @ w.T) against the
+target's distribution over the draft vocabulary (soft: the EAGLE-3 objective) or its argmax (hard).
+The forward makes the logits of a few thousand rows at a time, writes the gradients w.r.t. x and w
+right away (softmax - p, weighted) and keeps only those, so no [rows, vocab] fp32 logits, softmax
+or log-softmax is saved for backward (the backward only scales them by the incoming gradient). It
+also gives each row's CE and argmax (detached) for the step metrics. Soft targets are read by row
+index (`prob_rows`) from one [M, vocab] table, so the TTT steps' shifted targets are never copied.
+`reference_loss` is the plain autograd version the tests hold it to. Which rows count and with what
+weight is ttt.py's. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CHUNK_ELEMS = 1 << 27  # logits elements per chunk (512 MiB in fp32)
+
+
+def _chunk_math(logits: torch.Tensor, p: torch.Tensor | None, ids: torch.Tensor | None, rw: torch.Tensor):
+    """-> (CE per row, argmax, dL/dlogits weighted by rw, in logits' dtype). fp32 math inside."""
+    z = logits.float()
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    sm = torch.exp(z - lse)
+    if p is not None:
+        p = p.float()
+        ce = (p * (lse - z)).sum(-1)
+        grad = sm - p
+    else:
+        ce = lse.squeeze(-1) - z.gather(-1, ids[:, None]).squeeze(-1)
+        grad = sm - torch.nn.functional.one_hot(ids, z.shape[-1]).to(z.dtype)
+    return ce, z.argmax(-1), (grad * rw[:, None]).to(logits.dtype)
+
+
+@functools.cache
+def _compiled_chunk_math():
+    return torch.compile(_chunk_math, dynamic=None)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, rw, probs, prob_rows, ids):
+        n, v = x.shape[0], w.shape[0]
+        chunk = max(1, CHUNK_ELEMS // v)
+        math = _compiled_chunk_math() if x.is_cuda else _chunk_math
+        gx = torch.empty_like(x)
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if w.requires_grad else None
+        ce_all = torch.empty(n, dtype=torch.float32, device=x.device)
+        arg_all = torch.empty(n, dtype=torch.int64, device=x.device)
+        for s in range(0, n, chunk):
+            xc = x[s : s + chunk]
+            logits = xc @ w.T
+            p = probs[prob_rows[s : s + chunk]] if probs is not None else None
+            idc = ids[s : s + chunk] if ids is not None else None
+            ce, arg, g = math(logits, p, idc, rw[s : s + chunk])
+            ce_all[s : s + chunk], arg_all[s : s + chunk] = ce, arg
+            gx[s : s + chunk] = g @ w
+            if gw is not None:
+                gw += (g.T @ xc).float()
+        ctx.save_for_backward(gx, gw.to(w.dtype) if gw is not None else None)
+        ctx.mark_non_differentiable(ce_all, arg_all)
+        return (ce_all * rw).sum(), ce_all, arg_all
+
+    @staticmethod
+    def backward(ctx, g, _ce, _arg):
+        gx, gw = ctx.saved_tensors
+        return gx * g.to(gx.dtype), (gw * g.to(gw.dtype) if gw is not None else None), None, None, None, None
+
+
+def _check(target_probs, prob_rows, target_ids) -> None:
+    if (target_probs is None) == (target_ids is None):
+        raise ValueError("head_loss takes target_probs (soft) or target_ids (hard), exactly one")
+    if target_probs is not None and prob_rows is None:
+        raise ValueError("head_loss: target_probs needs prob_rows (the table row of each input row)")
+
+
+def head_loss(x, w, row_weight, *, target_probs=None, prob_rows=None, target_ids=None):
+    """x [N, H] (normed hidden), w [V, H] (lm_head), row_weight [N] fp32. -> (loss, CE [N], argmax [N])."""
+    _check(target_probs, prob_rows, target_ids)
+    return _FusedHeadLoss.apply(x, w, row_weight.float(), target_probs, prob_rows, target_ids)
+
+
+def reference_loss(x, w, row_weight, *, target_probs=None, prob_rows=None, target_ids=None):
+    """The same function through plain autograd (fp32 logits kept): the tests' yardstick."""
+    _check(target_probs, prob_rows, target_ids)
+    logp = torch.log_softmax((x @ w.T).float(), -1)
+    if target_probs is not None:
+        ce = -(target_probs[prob_rows].float() * logp).sum(-1)
+    else:
+        ce = -logp.gather(-1, target_ids[:, None]).squeeze(-1)
+    return (ce * row_weight.float()).sum(), ce.detach(), logp.argmax(-1)

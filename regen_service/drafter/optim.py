@@ -1,0 +1,56 @@
+"""bf16 parameters, fp32 master weights: the optimizer sees fp32, the model computes in bf16.
+
+`MasterWeights(params)` keeps an fp32 copy of each bf16 trainable parameter; `to_masters()` moves
+the bf16 gradients onto the copies (fp32) before clipping and the AdamW step, `to_params()` writes
+the updated copies back in bf16. fp32 parameters (the CPU) are their own masters: nothing is copied.
+Frozen parameters (the target's embedding) get no copy at all. The optimizer and its schedule are
+train.py's. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MasterWeights:
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+            for p in self.params
+        ]
+
+    @property
+    def copied(self) -> bool:
+        return any(m is not p for m, p in zip(self.masters, self.params, strict=True))
+
+    def to_masters(self) -> None:
+        for m, p in zip(self.masters, self.params, strict=True):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None  # the bf16 gradient is spent; free it before the optimizer's state grows
+
+    @torch.no_grad()
+    def to_params(self) -> None:
+        for m, p in zip(self.masters, self.params, strict=True):
+            if m is not p:
+                p.copy_(m)
+
+    @torch.no_grad()
+    def from_params(self) -> None:
+        """After loading bf16 weights into the model: masters start from them."""
+        for m, p in zip(self.masters, self.params, strict=True):
+            if m is not p:
+                m.copy_(p)
+
+    def state(self) -> list[torch.Tensor] | None:
+        return [m.detach().cpu().clone() for m in self.masters] if self.copied else None
+
+    @torch.no_grad()
+    def load(self, masters: list[torch.Tensor] | None) -> None:
+        if masters is None or not self.copied:
+            self.from_params()
+            return
+        for m, saved in zip(self.masters, masters, strict=True):
+            m.copy_(saved)
+        self.to_params()
