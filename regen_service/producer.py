@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from regen_service.errors import ConfigError
-from regen_service.ledger import Ledger
+from regen_service.ledger import Ledger, check_reachable
 from regen_service.prepare import prepare_run, run_id_for
-from regen_service.queue import make_celery, send_shard
+from regen_service.queue import PRIORITY_RESUME, make_celery, send_shard
 from regen_service.reuse import plan_reuse
 from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict, resolved_mix_path
 from regen_service.settings import Settings
@@ -56,6 +56,7 @@ def prepare_or_load(
 
 
 def enqueue(settings: Settings, mix_path: str | Path, *, reuse: bool = True) -> EnqueueResult:
+    check_reachable(settings)  # before anything is written to the data root
     layout, manifest = prepare_or_load(settings, mix_path, reuse=reuse)
     ledger = Ledger(settings)
     done = done_shards_in_storage(layout)
@@ -121,7 +122,7 @@ def _reconcile(
     with app.producer_or_acquire():
         for sid in missing:
             ledger.set_shard_state(manifest.run_id, sid, "queued")
-            send_shard(app, manifest.run_id, sid)
+            send_shard(app, manifest.run_id, sid, priority=PRIORITY_RESUME)
     return len(missing)
 
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from regen_service.ledger import Ledger
-from regen_service.queue import make_celery, send_shard
+from regen_service.queue import PRIORITY_RESUME, make_celery, queue_keys, send_shard
 from regen_service.runinfo import done_shards_in_storage, load_manifest
 from regen_service.settings import Settings
 from regen_service.shard_log import ShardLog
@@ -42,8 +42,7 @@ def queued_shard_ids(settings: Settings, ledger: Ledger, run_id: str) -> set[int
     Delivered-but-unacked messages do not count: without a live lease their holder is dead, and the
     message would only come back after the visibility timeout. Sending another is harmless (leases).
     """
-    prefix = f"{settings.key_prefix}:celery:"
-    raw = ledger.r.lrange(prefix + settings.queue_name, 0, -1)
+    raw = [item for key in queue_keys(settings) for item in ledger.r.lrange(key, 0, -1)]
     found: set[int] = set()
     for item in raw:
         try:
@@ -102,7 +101,7 @@ def resume_run(settings: Settings, run_id: str) -> ResumeResult:
                 result.shards_already_queued.append(sid)
             else:
                 ledger.set_shard_state(run_id, sid, "queued")
-                send_shard(app, run_id, sid)
+                send_shard(app, run_id, sid, priority=PRIORITY_RESUME)
                 result.shards_sent.append(sid)
     return result
 
@@ -123,7 +122,7 @@ def retry_failed(settings: Settings, run_id: str, include_terminal: bool = False
         )
         if n:
             ledger.set_shard_state(run_id, sid, "queued")
-            send_shard(app, run_id, sid, redo_errors=mode)
+            send_shard(app, run_id, sid, redo_errors=mode, priority=PRIORITY_RESUME)
             sent[sid] = n
     return {
         "run_id": run_id,

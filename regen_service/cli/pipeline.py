@@ -13,18 +13,36 @@ import time
 from pathlib import Path
 
 import click
+from pydantic import ValidationError
 
 from regen_service.cli.base import main
 from regen_service.errors import ConfigError
+from regen_service.ledger import check_reachable
 from regen_service.settings import Settings
 from schemas.mix import MixError
 
+_ENV_OF_FIELD = {
+    "redis_url": "REGEN_REDIS_URL", "data_root": "REGEN_DATA_ROOT", "key_prefix": "REGEN_KEY_PREFIX",
+    "visibility_timeout_s": "REGEN_VISIBILITY_TIMEOUT_S", "lease_ttl_s": "REGEN_LEASE_TTL_S",
+    "heartbeat_s": "REGEN_HEARTBEAT_S", "log_level": "REGEN_LOG_LEVEL",
+}  # fmt: skip
 
-def _settings() -> Settings:
+
+def _settings(*, need_redis: bool = False) -> Settings:
+    """Settings from the environment; a bad value or (with need_redis) an unreachable Redis is one line."""
     try:
-        return Settings.from_env()
-    except ValueError as e:
-        raise click.ClickException(f"bad environment settings: {e}") from None
+        settings = Settings.from_env()
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            var = _ENV_OF_FIELD.get(str(err["loc"][0]), str(err["loc"][0]))
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            problems.append(msg if msg.startswith(var) else f"{var}: {msg}")
+        problems = "; ".join(problems)
+        raise click.ClickException(f"bad environment settings: {problems}") from None
+    if need_redis:
+        check_reachable(settings)  # LedgerUnreachableError: one line, from the regen group
+    return settings
 
 
 def _setup_logging(settings: Settings) -> None:
@@ -74,11 +92,21 @@ def read_api_key(env_var: str, key_file: str | None) -> str | None:
     "--endpoint", "endpoints", multiple=True, required=True, help="SGLang base URL; repeat for several"
 )
 @click.option(
+    "--max-shards-in-hand",
     "--concurrency",
+    "max_shards_in_hand",
     type=int,
-    default=2,
+    default=64,
     show_default=True,
-    help="shards worked on at once (the next shard fills the pool while one drains its tail)",
+    help="memory bound on shards held at once; the worker takes another shard whenever the prompts it "
+    "holds cannot fill its in-flight budget (--concurrency is the old name)",
+)
+@click.option(
+    "--exit-after-no-endpoint-s",
+    type=float,
+    default=None,
+    help="exit with status 3 after this long without a usable endpoint, for compose/systemd to restart "
+    "the worker [default: keep checking the endpoints with backoff]",
 )
 @click.option(
     "--max-inflight-per-endpoint",
@@ -110,7 +138,7 @@ def read_api_key(env_var: str, key_file: str | None) -> str | None:
 @click.option("--max-attempts", type=int, default=6, show_default=True)
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 @click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
-def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_key_file, no_stream, engine,
+def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight_per_endpoint, api_key_env, api_key_file, no_stream, engine,
            stall_timeout_s, max_attempts, metrics_port, hostname) -> None:  # fmt: skip
     """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
@@ -123,26 +151,39 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
     node = hostname or f"regen@{socket.gethostname()}-{os.getpid()}"
     try:
         config = WorkerConfig(
-            endpoints=list(endpoints), num_shards_in_parallel=concurrency,
+            endpoints=list(endpoints), max_shards_in_hand=max_shards_in_hand,
+            exit_after_no_endpoint_s=exit_after_no_endpoint_s,
             api_key=read_api_key(api_key_env, api_key_file), max_inflight_per_endpoint=max_inflight_per_endpoint,
             stream=not no_stream, engine=engine, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
             metrics_port=metrics_port, hostname=node,
         )  # fmt: skip
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    check_reachable(settings)
     if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port)
+        try:
+            start_http_server(metrics_port)
+        except OSError as e:
+            raise click.ClickException(
+                f"--metrics-port {metrics_port}: cannot listen ({e.strerror}); pick a free port or leave "
+                "--metrics-port out"
+            ) from None
     logging.getLogger("regen.worker").info(
         "worker %s: broker %s, queue %s, endpoints %s", node, settings.redis_url_redacted, settings.queue_name,
         ", ".join(endpoints),
     )  # fmt: skip
     celery_app.configure(settings, config)
-    celery_app.app.worker_main(
-        ["worker", "--pool=threads", f"--concurrency={concurrency}", "-Q", settings.queue_name, "-E",
-         "--without-gossip", "--without-mingle", "-n", node, f"--loglevel={settings.log_level}"]
-    )  # fmt: skip
+    try:
+        celery_app.app.worker_main(
+            ["worker", "--pool=threads", f"--concurrency={max_shards_in_hand}", "--prefetch-multiplier=1",
+             "-Q", settings.queue_name, "-E", "--without-gossip", "--without-mingle", "-n", node,
+             f"--loglevel={settings.log_level}"]
+        )  # fmt: skip
+    finally:
+        if celery_app.exit_code:
+            sys.exit(celery_app.exit_code)
 
 
 @main.command()
@@ -154,7 +195,7 @@ def status(run_id: str | None, as_json: bool, watch: float | None) -> None:
     from regen_service.ledger import Ledger
     from regen_service.status import render, run_status
 
-    ledger = Ledger(_settings())
+    ledger = Ledger(_settings(need_redis=True))
     while True:
         ids = [run_id] if run_id else ledger.run_ids()
         statuses = [s for s in (run_status(ledger, r) for r in ids) if s]
@@ -179,7 +220,7 @@ def resume(run_id: str, as_json: bool) -> None:
     from regen_service.resume import resume_run
 
     try:
-        res = resume_run(_settings(), run_id)
+        res = resume_run(_settings(need_redis=True), run_id)
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
@@ -199,7 +240,7 @@ def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
     """Send rows of RUN_ID that exhausted their retries back through the queue."""
     from regen_service.resume import retry_failed
 
-    _print_json(retry_failed(_settings(), run_id, include_terminal=include_terminal))
+    _print_json(retry_failed(_settings(need_redis=True), run_id, include_terminal=include_terminal))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
