@@ -96,6 +96,7 @@ class Ledger:
             "data_root": data_root,
             "shard_sources": json.dumps({s.shard_id: s.sources for s in manifest.shards}),
             "shard_sizes": json.dumps({s.shard_id: s.num_prompts for s in manifest.shards}),
+            "source_stats": json.dumps({k: v.model_dump() for k, v in manifest.sources.items()}),
         }
         if not self.r.hsetnx(key, "run_id", manifest.run_id):
             return False

@@ -31,6 +31,7 @@ class ResumeResult:
     shards_leased: list[int] = field(default_factory=list)
     shards_already_queued: list[int] = field(default_factory=list)
     ledger_rebuilt: bool = False
+    lease_frees_in_s: float | None = None  # the longest a held shard's lease has left (None: none held)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +98,11 @@ def resume_run(settings: Settings, run_id: str) -> ResumeResult:
                 continue
             if ledger.lease_holder(run_id, sid):
                 result.shards_leased.append(sid)
+                # A killed worker's lease runs out by itself: say when, so the operator knows when a
+                # second `regen resume` will queue the shard.
+                ttl_ms = ledger.r.pttl(ledger.lease_key(run_id, sid))
+                if ttl_ms > 0:
+                    result.lease_frees_in_s = max(result.lease_frees_in_s or 0.0, round(ttl_ms / 1000, 1))
             elif sid in queued:
                 result.shards_already_queued.append(sid)
             else:

@@ -1,4 +1,5 @@
-"""CLI commands of the pipeline: enqueue, worker, status, resume, retry-failed, flower, demo.
+"""CLI commands of the pipeline: enqueue, worker, retry-failed, flower, demo (status, runs and resume are
+in regen_service.cli.runs).
 
 Each command reads Settings from the environment once and passes it down; the library does the work.
 """
@@ -9,13 +10,13 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import click
 from pydantic import ValidationError
 
 from regen_service.cli.base import main
+from regen_service.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.errors import ConfigError
 from regen_service.ledger import check_reachable
 from regen_service.settings import Settings
@@ -61,24 +62,45 @@ def _print_json(obj) -> None:
     is_flag=True,
     help="ask every prompt, even ones answered by earlier runs with the same settings",
 )
-def enqueue(mix: str, as_json: bool, no_reuse: bool) -> None:
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="queue nothing and exit 1 when a source keeps nothing or quarantines too much",
+)
+@click.option(
+    "--max-quarantined-fraction",
+    type=click.FloatRange(0, 1),
+    default=DEFAULT_MAX_QUARANTINED_FRACTION,
+    show_default=True,
+    help="warn about a source that quarantines more than this fraction of its rows",
+)
+def enqueue(mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantined_fraction: float) -> None:
     """Prepare MIX (a mix YAML) as a run under $REGEN_DATA_ROOT and queue one task per shard.
 
     The run id comes from the mix's content: enqueueing the same mix again sends nothing and says so.
+    Prints what each source kept and quarantined (with the top reasons) and warns about sources that
+    keep nothing or quarantine more than --max-quarantined-fraction; with --strict such a run is
+    prepared but not queued, and the command exits 1.
     """
     from regen_service.producer import enqueue as do_enqueue
 
     settings = _settings()
     _setup_logging(settings)
     try:
-        res = do_enqueue(settings, mix, reuse=not no_reuse)
+        res = do_enqueue(
+            settings, mix, reuse=not no_reuse, strict_fraction=max_quarantined_fraction if strict else None
+        )
     except (MixError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
+    warnings = source_warnings(res.sources, max_quarantined_fraction)
     if as_json:
-        _print_json(res.as_dict())
-        return
-    click.echo(res.run_id)
-    click.echo(res.message, err=True)
+        _print_json({**res.as_dict(), "warnings": warnings})
+    else:
+        click.echo(res.run_id)
+        click.echo(res.message, err=True)
+        click.echo(format_report(res.sources), err=True)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
 
 
 def read_api_key(env_var: str, key_file: str | None) -> str | None:
@@ -184,53 +206,6 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     finally:
         if celery_app.exit_code:
             sys.exit(celery_app.exit_code)
-
-
-@main.command()
-@click.argument("run_id", required=False)
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@click.option("--watch", type=float, default=None, help="refresh every N seconds until the run is done")
-def status(run_id: str | None, as_json: bool, watch: float | None) -> None:
-    """Progress of RUN_ID (or of every run): shards, prompts, tokens, tokens/s, ETA, per source."""
-    from regen_service.ledger import Ledger
-    from regen_service.status import render, run_status
-
-    ledger = Ledger(_settings(need_redis=True))
-    while True:
-        ids = [run_id] if run_id else ledger.run_ids()
-        statuses = [s for s in (run_status(ledger, r) for r in ids) if s]
-        if run_id and not statuses:
-            raise click.ClickException(
-                f"run {run_id!r} is not in the ledger; if Redis was wiped, `regen resume {run_id}` rebuilds it"
-            )
-        if as_json:
-            _print_json(statuses[0] if run_id else {"runs": statuses})
-        else:
-            render(statuses)
-        if not watch or all(s["state"] in ("done", "failed") for s in statuses):
-            return
-        time.sleep(watch)
-
-
-@main.command()
-@click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True)
-def resume(run_id: str, as_json: bool) -> None:
-    """Rebuild RUN_ID's ledger from the data root and queue its unfinished shards (safe to repeat)."""
-    from regen_service.resume import resume_run
-
-    try:
-        res = resume_run(_settings(need_redis=True), run_id)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
-    if as_json:
-        _print_json(res.as_dict())
-    else:
-        click.echo(
-            f"{run_id}: {res.shards_done}/{res.shards_total} shards done; queued {len(res.shards_sent)}, "
-            f"{len(res.shards_leased)} held by live workers, {len(res.shards_already_queued)} already queued"
-            + ("; ledger rebuilt from storage" if res.ledger_rebuilt else "")
-        )
 
 
 @main.command("retry-failed")
