@@ -80,7 +80,9 @@ def test_resumed_shard_goes_before_a_new_run(settings, settings_env, tmp_path):
         second = enqueue(settings, write_prompt_mix(tmp_path, "new-run", 24, 4))
         assert resume_run(settings, first.run_id).shards_sent == [1]
         # One shard at a time, so the order shards finish in is the order they were taken in.
-        with worker_process(settings_env, url, log=tmp_path / "w2.log", extra=("--max-shards-in-hand", "1")) as w:
+        with worker_process(
+            settings_env, url, log=tmp_path / "w2.log", extra=("--max-shards-in-hand", "1")
+        ) as w:
             wait_run_done(settings, second.run_id, procs=(w,))
             wait_run_done(settings, first.run_id, procs=(w,))
     outputs = Path(settings.data_root_resolved) / "runs" / second.run_id / "outputs"
