@@ -69,6 +69,8 @@ class Intake:
             self._qos = qos
             self._granted = qos.value
             self._apply()
+            log.info("shard intake by in-flight budget: prefetch %d (at most %d shards, %d prompts in hand)",
+                     self._granted, self.max_shards, self.max_prompts)  # fmt: skip
 
     def _apply(self) -> None:
         if self._qos is None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 
 from celery.exceptions import Reject
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_shutdown
 
 from regen_service.errors import EndpointTerminalError, LeaseLostError, NoUsableEndpointError
 from regen_service.intake import IntakeStep
@@ -45,11 +45,13 @@ exit_code = 0  # read by `regen worker` after Celery returns
 
 
 def configure(worker_settings: Settings, config: WorkerConfig | None) -> None:
-    """Called by `regen worker` before the worker starts; the runtime is built before the first task."""
+    """Called by `regen worker` before the worker starts; builds the runtime (once per process)."""
     global settings, _config
     settings = worker_settings
     app.conf.update(make_celery(worker_settings).conf)
     _config = config
+    if config is not None:
+        runtime()  # before Celery's consumer starts: its IntakeStep needs the runtime's Intake
 
 
 def runtime() -> WorkerRuntime:
@@ -64,12 +66,6 @@ def runtime() -> WorkerRuntime:
             IntakeStep.intake = _runtime.intake
             _presence = Presence(settings, _config.hostname or "regen", _config.endpoints)
         return _runtime
-
-
-@worker_ready.connect
-def _build_runtime(**_kw) -> None:
-    if _config is not None:
-        runtime()
 
 
 @worker_shutdown.connect
