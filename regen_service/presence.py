@@ -2,7 +2,7 @@
 
 A worker refreshes `{prefix}:worker:{node}` every heartbeat with its state ("consuming", or
 "no_endpoint" with the reason and since when); the key expires after a few missed heartbeats, so a
-dead worker disappears by itself. `regen status` reads them to say "no live consumer" instead of
+dead worker disappears by itself (a sorted set lists the keys, so nothing scans the keyspace). `regen status` reads them to say "no live consumer" instead of
 showing a run that silently makes no progress. What a worker does about a missing endpoint is
 workers/celery_app.py's.
 """
@@ -55,6 +55,7 @@ class Presence:
             pipe = self._r.pipeline(transaction=True)
             pipe.hset(self.key, mapping=fields)
             pipe.expire(self.key, ttl_s)
+            pipe.zadd(workers_key(self.settings), {self.key: time.time()})
             pipe.execute()
         except redis.RedisError as e:  # the broker connection reports Redis outages loudly already
             log.debug("presence not written: %s", e)
@@ -67,13 +68,21 @@ class Presence:
         self._stop.set()
         with contextlib.suppress(redis.RedisError):
             self._r.delete(self.key)
+            self._r.zrem(workers_key(self.settings), self.key)
+
+
+def workers_key(settings: Settings) -> str:
+    """A sorted set of worker keys by last refresh: status reads it instead of scanning the keyspace."""
+    return f"{settings.key_prefix}:workers"
 
 
 def live_workers(settings: Settings, client: redis.Redis) -> list[dict]:
-    """Every worker that refreshed its hash within the last few heartbeats."""
-    out = []
-    for key in client.scan_iter(f"{settings.key_prefix}:worker:*", count=500):
-        fields = client.hgetall(key)
-        if fields:
-            out.append(fields)
+    """Every worker whose hash has not expired (refreshed within the last few heartbeats)."""
+    zkey = workers_key(settings)
+    client.zremrangebyscore(zkey, "-inf", time.time() - 3600)  # long gone: keep the set small
+    keys = client.zrange(zkey, 0, -1)
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hgetall(key)
+    out = [fields for fields in pipe.execute() if fields]
     return sorted(out, key=lambda w: w.get("node", ""))
