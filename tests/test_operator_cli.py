@@ -119,3 +119,19 @@ def test_status_in_a_pipe_is_full_width(settings, settings_env, tmp_path):
     out = regen({**settings_env, "COLUMNS": "80"}, "status").stdout
     headline = next(line for line in out.splitlines() if line.startswith(res.run_id))
     assert len(headline) > 120 and "ETA" in headline and name in headline
+
+
+def test_the_demos_runs_are_found_without_its_key_prefix(settings, settings_env, tmp_path):
+    from regen_service.find_runs import demo_settings
+
+    demo = demo_settings(settings)  # the namespace `regen demo` enqueues under, for this data root
+    res = enqueue(demo, write_prompt_mix(tmp_path, "demo-like", 10, 5))
+    try:
+        st = json.loads(regen(settings_env, "status", res.run_id[:10], "--json").stdout)
+        assert st["run_id"] == res.run_id and st["key_prefix"] == demo.key_prefix
+        assert res.run_id in regen(settings_env, "runs").stdout
+    finally:
+        r = redis.Redis.from_url(settings.redis_url)
+        keys = list(r.scan_iter(f"{demo.key_prefix}*"))
+        if keys:
+            r.delete(*keys)
