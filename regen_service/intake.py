@@ -2,9 +2,9 @@
 
 A fixed number of shards in parallel leaves servers idle when every held shard drains its long tail at
 once, and is far too few for endpoints that run hundreds of requests each. So the worker's Celery
-prefetch count is driven from here: it is the number of shards being worked on, plus one spare slot
-while the prompts still waiting for an in-flight slot are fewer than the in-flight budget (the next
-shard must arrive before the slots run dry). `max_shards` (Celery's thread count) and `max_prompts`
+prefetch count is driven from here: it is the number of shards being worked on, plus enough spare
+shards (at the mean shard size seen) to bring the prompts in hand to twice the in-flight budget while
+they are fewer (the next shard must arrive before the slots run dry). `max_shards` (Celery's thread count) and `max_prompts`
 bound what a worker holds in memory.
 
 Celery applies a prefetch change from its consumer loop (kombu's QoS "eventually" calls, made for
@@ -15,6 +15,7 @@ the count by the difference between what it wants now and what it asked for last
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 
@@ -33,12 +34,16 @@ class Intake:
         self.num_waiting = 0  # prompts of those shards not answered yet
         self._qos = None
         self._granted = 0
+        self._shards_seen = 0
+        self._prompts_seen = 0
 
     # --- what the shards report (Celery threads and the event loop) -----------------------------
     def shard_started(self, num_prompts: int) -> None:
         with self._lock:
             self.num_shards += 1
             self.num_waiting += num_prompts
+            self._shards_seen += 1
+            self._prompts_seen += num_prompts
             self._apply()
 
     def prompt_answered(self) -> None:
@@ -61,7 +66,15 @@ class Intake:
         return self.num_waiting < 2 * budget and self.num_waiting < self.max_prompts
 
     def wanted(self) -> int:
-        return max(1, min(self.max_shards, self.num_shards + (1 if self.hungry() else 0)))
+        spare = 0
+        if self.hungry():
+            # As many shards as cover the shortfall, at the shard size seen so far: Celery applies a new
+            # prefetch count only on its next loop turn (up to a second), so asking one shard at a time
+            # would ramp a worker with hundreds of slots up one turn per shard.
+            target = min(2 * max(1, self._inflight_target()), self.max_prompts)
+            mean_shard = self._prompts_seen / self._shards_seen if self._shards_seen else 0
+            spare = max(1, math.ceil((target - self.num_waiting) / mean_shard)) if mean_shard else 1
+        return max(1, min(self.max_shards, self.num_shards + spare))
 
     def attach(self, qos) -> None:
         """Take over the consumer's prefetch count (Celery started it at max_shards)."""
@@ -98,3 +111,11 @@ class IntakeStep(bootsteps.StartStopStep):
         if self.intake is not None and c.qos is not None:
             self.intake.attach(c.qos)
             c.qos.update()  # apply at once: the first fetch takes one shard, not max_shards
+            if getattr(c, "hub", None) is not None:
+                # Celery's loop applies a changed prefetch count between polls, and polls up to a second
+                # when idle: a 0.1 s timer bounds how late the next shard is asked for.
+                c.hub.call_repeatedly(0.1, _noop)
+
+
+def _noop() -> None:
+    pass
