@@ -98,3 +98,7 @@ def test_small_shards_fill_every_slot(settings, settings_env, tmp_path):
             wait_run_done(settings, res.run_id, procs=(w,), timeout_s=120)
         stats = httpx.get(f"{url}/sim/stats", timeout=5).json()
     assert stats["peak_running"] == 96
+    log = (tmp_path / "w.log").read_text()
+    assert "shard intake by in-flight budget" in log
+    # One runtime per process: one pool (a second would double the load on the server).
+    assert log.count("endpoint pool for moonshotai/Kimi-K2.5 ready") == 1
