@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 ENGINE_VENV ?= .venv-engine
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 
-.PHONY: install engine demo test lint bench-producer
+.PHONY: install engine demo test test-fast lint bench-producer
 
 # torch==2.13.0 first: it is the CPU build this machine has on disk; any other spec pulls a CUDA build.
 .install-stamp: pyproject.toml
@@ -33,6 +33,11 @@ demo: install
 # The engine tests start vLLM from $(ENGINE_VENV) (REGEN_VLLM_PYTHON overrides it).
 test: install engine
 	$(PY) -m pytest -q
+
+# The fast lane: tests that start no process (no simulator, worker or engine), in well under a minute.
+# The suite uses the Redis of REGEN_REDIS_URL (default redis://127.0.0.1:6379/0), its own key prefixes only.
+test-fast: install
+	$(PY) -m pytest -q -m "not procs and not engine and not slow"
 
 lint: install
 	ruff check . && ruff format --check .

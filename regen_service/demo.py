@@ -8,7 +8,6 @@ Redis already running (REGEN_REDIS_URL) and the data root (REGEN_DATA_ROOT, defa
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import redis
 
 from regen_service.errors import ConfigError
+from regen_service.find_runs import demo_settings
 from regen_service.ledger import Ledger
 from regen_service.localproc import free_port, regen_cmd, spawn, stop, wait_http
 from regen_service.producer import enqueue
@@ -71,9 +71,8 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
         ) from None
     mix = Path(mix_path) if mix_path else DEMO_MIX
     # The demo's runs live in a namespace of this data root's own, so demos started from two folders
-    # on one Redis never see each other's ledger.
-    root_tag = hashlib.sha256(settings.data_root_resolved.encode()).hexdigest()[:6]
-    settings = settings.model_copy(update={"key_prefix": f"{settings.key_prefix}-demo-{root_tag}"})
+    # on one Redis never see each other's ledger; `regen status` and `regen runs` look there too.
+    settings = demo_settings(settings)
     logs = Path(settings.data_root_resolved) / "demo-logs"
     env = {"REGEN_REDIS_URL": settings.redis_url, "REGEN_DATA_ROOT": settings.data_root_resolved,
            "REGEN_KEY_PREFIX": settings.key_prefix}  # fmt: skip
@@ -114,8 +113,7 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
             time.sleep(0.5)
         print(summarize(settings, res.run_id), flush=True)
         print(
-            f"demo finished in {time.monotonic() - t0:.1f}s; check it with: "
-            f"REGEN_KEY_PREFIX={settings.key_prefix} regen status {res.run_id}",
+            f"demo finished in {time.monotonic() - t0:.1f}s; check it with: regen status {res.run_id[:8]}",
             flush=True,
         )
         return 0 if st["state"] == "done" else 1

@@ -15,6 +15,10 @@ class ConfigError(RegenError):
     """Bad configuration or input given by the operator; the message says which field and how to fix it."""
 
 
+class LedgerUnreachableError(RegenError):
+    """Redis (ledger and broker) cannot be reached; the message names the URL and how to start one."""
+
+
 class RetryableError(RegenError):
     """Worth another attempt (possibly on another endpoint): connection errors, timeouts, 5xx, stalls."""
 
@@ -42,6 +46,15 @@ class EndpointTerminalError(TerminalError):
     def __init__(self, message: str, *, endpoint: str | None = None):
         super().__init__(message)
         self.endpoint = endpoint
+
+
+class NoUsableEndpointError(EndpointTerminalError):
+    """No endpoint of a worker could serve `model` at its start check (down, or serving another model);
+    the worker stops consuming and checks them again with backoff."""
+
+    def __init__(self, message: str, *, model: str):
+        super().__init__(message)
+        self.model = model
 
 
 class NoEndpointAvailableError(RetryableError):

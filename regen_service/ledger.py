@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import redis
 
+from regen_service.errors import LedgerUnreachableError
 from regen_service.settings import Settings
 from schemas.records import RunManifest, ShardDoneEvent
 
@@ -46,6 +47,18 @@ _MARK_DONE = (
 
 def connect(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+
+
+def check_reachable(settings: Settings) -> None:
+    """Raise LedgerUnreachableError (one line: where, why, how to fix) unless Redis answers a PING."""
+    try:
+        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
+    except redis.RedisError as e:
+        raise LedgerUnreachableError(
+            f"Redis at {settings.redis_url_redacted} is not reachable ({e}). Start one "
+            '(redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no) or point '
+            "REGEN_REDIS_URL at yours"
+        ) from None
 
 
 class Ledger:
@@ -83,6 +96,7 @@ class Ledger:
             "data_root": data_root,
             "shard_sources": json.dumps({s.shard_id: s.sources for s in manifest.shards}),
             "shard_sizes": json.dumps({s.shard_id: s.num_prompts for s in manifest.shards}),
+            "source_stats": json.dumps({k: v.model_dump() for k, v in manifest.sources.items()}),
         }
         if not self.r.hsetnx(key, "run_id", manifest.run_id):
             return False

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from regen_service.data_report import source_report, source_warnings
 from regen_service.errors import ConfigError
-from regen_service.ledger import Ledger
+from regen_service.ledger import Ledger, check_reachable
 from regen_service.prepare import prepare_run, run_id_for
-from regen_service.queue import make_celery, send_shard
+from regen_service.queue import PRIORITY_RESUME, make_celery, send_shard
 from regen_service.remote_code import require_opt_in
 from regen_service.reuse import plan_reuse
 from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict, resolved_mix_path
@@ -31,7 +32,7 @@ class EnqueueResult:
     num_shards: int
     num_prompts: int
     run_dir: str
-    sources: dict
+    sources: dict  # per source: counts, quarantined fraction, top quarantine reasons (data_report)
     message: str
 
     def as_dict(self) -> dict:
@@ -59,11 +60,21 @@ def prepare_or_load(
     return layout, manifest
 
 
-def enqueue(settings: Settings, mix_path: str | Path, *, reuse: bool = True) -> EnqueueResult:
+def enqueue(
+    settings: Settings, mix_path: str | Path, *, reuse: bool = True, strict_fraction: float | None = None
+) -> EnqueueResult:
+    """With strict_fraction, a source that keeps nothing or quarantines more than that fraction stops
+    the run before anything is queued (ConfigError naming the sources); the prepared files stay."""
+    check_reachable(settings)  # before anything is written to the data root
     layout, manifest = prepare_or_load(settings, mix_path, reuse=reuse)
+    sources = source_report(layout, manifest)
+    if strict_fraction is not None and (warnings := source_warnings(sources, strict_fraction)):
+        raise ConfigError(
+            f"not queued (--strict): {'; '.join(warnings)}. The rows are in {layout.quarantine_path}; fix "
+            "the mix, or enqueue without --strict to run what was kept"
+        )
     ledger = Ledger(settings)
     done = done_shards_in_storage(layout)
-    sources = {k: v.model_dump() for k, v in manifest.sources.items()}
     if not ledger.register_run(manifest, layout.storage.url, done_shards=done):
         requeued = _reconcile(settings, ledger, layout, manifest, done)
         if requeued:
@@ -125,7 +136,7 @@ def _reconcile(
     with app.producer_or_acquire():
         for sid in missing:
             ledger.set_shard_state(manifest.run_id, sid, "queued")
-            send_shard(app, manifest.run_id, sid)
+            send_shard(app, manifest.run_id, sid, priority=PRIORITY_RESUME)
     return len(missing)
 
 

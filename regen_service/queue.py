@@ -6,6 +6,10 @@ they agree on what matters for exactly-once (celery#5935, #3430, #5306): JSON on
 being acked), prefetch 1 (a worker never hoards shards it is not working on), and ONE visibility
 timeout: a client with a shorter one would requeue everyone's in-flight shards. Leases (ledger) make a
 redelivered duplicate harmless. The task bodies live in workers/celery_app.py.
+
+Priorities: kombu's Redis transport keeps one list per priority step and pops them in step order, so a
+shard sent with PRIORITY_RESUME (a resumed or re-queued shard of a run already in progress) is taken
+before every PRIORITY_NEW shard of a run just enqueued; within one step the queue stays FIFO.
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ from kombu import Queue
 from regen_service.settings import Settings
 
 PROCESS_SHARD = "regen.process_shard"
+PRIORITY_STEPS = [0, 3, 6, 9]  # kombu's Redis default, named here because queue_keys() depends on it
+PRIORITY_RESUME = 0  # lower is taken first on Redis
+PRIORITY_NEW = 6
+_PRIORITY_SEP = "\x06\x16"  # kombu.transport.redis.Channel.sep
+
+
+def queue_keys(settings: Settings) -> list[str]:
+    """The Redis lists that hold waiting shard messages, highest priority first."""
+    base = f"{settings.key_prefix}:celery:{settings.queue_name}"
+    return [base if pri == 0 else f"{base}{_PRIORITY_SEP}{pri}" for pri in PRIORITY_STEPS]
 
 
 def celery_config(settings: Settings) -> dict:
@@ -23,6 +37,7 @@ def celery_config(settings: Settings) -> dict:
         "visibility_timeout": settings.visibility_timeout_s,
         "global_keyprefix": f"{settings.key_prefix}:celery:",
         "health_check_interval": 30,
+        "priority_steps": PRIORITY_STEPS,
     }
     return {
         "broker_url": settings.redis_url,
@@ -67,7 +82,9 @@ def shard_task_name(run_id: str, shard_id: int) -> str:
     return f"regen.shard[{run_id}/{shard_id:05d}]"
 
 
-def send_shard(app: Celery, run_id: str, shard_id: int, *, redo_errors: str | None = None) -> str:
+def send_shard(
+    app: Celery, run_id: str, shard_id: int, *, redo_errors: str | None = None, priority: int = PRIORITY_NEW
+) -> str:
     """Queue one shard. The message carries references only, never rows."""
     kwargs = {"redo_errors": redo_errors} if redo_errors else {}
     res = app.send_task(
@@ -75,5 +92,6 @@ def send_shard(app: Celery, run_id: str, shard_id: int, *, redo_errors: str | No
         args=[run_id, shard_id],
         kwargs=kwargs,
         shadow=shard_task_name(run_id, shard_id),
+        priority=priority,
     )
     return res.id

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from regen_service.ledger import Ledger
-from regen_service.queue import make_celery, send_shard
+from regen_service.queue import PRIORITY_RESUME, make_celery, queue_keys, send_shard
 from regen_service.runinfo import done_shards_in_storage, load_manifest
 from regen_service.settings import Settings
 from regen_service.shard_log import ShardLog
@@ -31,6 +31,7 @@ class ResumeResult:
     shards_leased: list[int] = field(default_factory=list)
     shards_already_queued: list[int] = field(default_factory=list)
     ledger_rebuilt: bool = False
+    lease_frees_in_s: float | None = None  # the longest a held shard's lease has left (None: none held)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -42,8 +43,7 @@ def queued_shard_ids(settings: Settings, ledger: Ledger, run_id: str) -> set[int
     Delivered-but-unacked messages do not count: without a live lease their holder is dead, and the
     message would only come back after the visibility timeout. Sending another is harmless (leases).
     """
-    prefix = f"{settings.key_prefix}:celery:"
-    raw = ledger.r.lrange(prefix + settings.queue_name, 0, -1)
+    raw = [item for key in queue_keys(settings) for item in ledger.r.lrange(key, 0, -1)]
     found: set[int] = set()
     for item in raw:
         try:
@@ -98,11 +98,16 @@ def resume_run(settings: Settings, run_id: str) -> ResumeResult:
                 continue
             if ledger.lease_holder(run_id, sid):
                 result.shards_leased.append(sid)
+                # A killed worker's lease runs out by itself: say when, so the operator knows when a
+                # second `regen resume` will queue the shard.
+                ttl_ms = ledger.r.pttl(ledger.lease_key(run_id, sid))
+                if ttl_ms > 0:
+                    result.lease_frees_in_s = max(result.lease_frees_in_s or 0.0, round(ttl_ms / 1000, 1))
             elif sid in queued:
                 result.shards_already_queued.append(sid)
             else:
                 ledger.set_shard_state(run_id, sid, "queued")
-                send_shard(app, run_id, sid)
+                send_shard(app, run_id, sid, priority=PRIORITY_RESUME)
                 result.shards_sent.append(sid)
     return result
 
@@ -123,7 +128,7 @@ def retry_failed(settings: Settings, run_id: str, include_terminal: bool = False
         )
         if n:
             ledger.set_shard_state(run_id, sid, "queued")
-            send_shard(app, run_id, sid, redo_errors=mode)
+            send_shard(app, run_id, sid, redo_errors=mode, priority=PRIORITY_RESUME)
             sent[sid] = n
     return {
         "run_id": run_id,

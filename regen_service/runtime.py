@@ -3,7 +3,9 @@
 Celery runs shard tasks in threads; all HTTP work happens on one asyncio loop owned by this runtime.
 Every shard a worker holds draws request slots from ONE budget that follows the pool's in-flight target,
 so when one shard drains its tail the next shard's prompts already fill the freed slots: a server never
-idles at shard boundaries while the queue holds work. The loop is uvloop's where uvloop is installed
+idles at shard boundaries while the queue holds work. How many shards are held is regen_service.intake's
+decision (from the prompts in hand against this budget); whether the worker is alive and can serve is
+published by regen_service.presence. The loop is uvloop's where uvloop is installed
 (several times less loop overhead per request), asyncio's otherwise. What a shard does is
 regen_service.shard_runner's.
 """
@@ -20,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from regen_service.client.config import PoolConfig
 from regen_service.client.pool import EndpointPool
+from regen_service.errors import EndpointTerminalError, NoUsableEndpointError
+from regen_service.intake import Intake
 from regen_service.loops import new_event_loop
 from regen_service.regenerate import Regenerator
 from regen_service.remote_code import load_tokenizer
@@ -68,8 +72,17 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     endpoints: list[str] = Field(min_length=1)
-    num_shards_in_parallel: int = Field(
-        default=2, ge=1, description="Celery concurrency: shards worked on at once"
+    max_shards_in_hand: int = Field(
+        default=64, ge=1, description="memory bound: shards held at once (Celery threads)"
+    )
+    max_prompts_in_hand: int = Field(
+        default=50_000, ge=1, description="memory bound: no further shard while this many prompts wait"
+    )
+    exit_after_no_endpoint_s: float | None = Field(
+        default=None, gt=0, description="exit non-zero after this long without a usable endpoint"
+    )
+    endpoint_retry_max_s: float = Field(
+        default=30.0, gt=0, description="longest wait between checks of endpoints that failed their start"
     )
     api_key: SecretStr | None = None
     max_inflight_per_endpoint: int | None = Field(default=None, ge=1)
@@ -111,6 +124,7 @@ class WorkerRuntime:
         self._tokenizers: dict[tuple[str, bool], object] = {}
         self._budgets: dict[str, InflightBudget] = {}
         self._lock = threading.Lock()
+        self.intake = Intake(config.max_shards_in_hand, config.max_prompts_in_hand, self.inflight_target)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -127,11 +141,12 @@ class WorkerRuntime:
         with self._lock:
             if model not in self._pools:
                 pool = EndpointPool(self.config.pool_config(), target_model=model)
-                self.call(
-                    pool.start()
-                )  # raises EndpointTerminalError on a wrong model: nothing is registered
-                self._pools[model] = pool
+                try:
+                    self.call(pool.start())  # nothing is registered when no endpoint can serve
+                except EndpointTerminalError as exc:
+                    raise NoUsableEndpointError(str(exc), model=model) from exc
                 self.call(self._make_budget(model, pool))
+                self._pools[model] = pool
                 log.info("endpoint pool for %s ready: in-flight target %d", model, pool.inflight_target)
             return self._pools[model], self._budgets[model]
 
@@ -155,6 +170,13 @@ class WorkerRuntime:
     def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, InflightBudget]:
         pool, sem = self.pool_for(mix.target.model)
         return Regenerator(pool, mix, tokenizer=self.tokenizer_for(mix)), sem
+
+    def inflight_target(self) -> int:
+        """Requests this worker keeps outstanding over all its pools (before any pool: one shard's worth)."""
+        pools = list(self._pools.values())
+        if not pools:
+            return self.config.max_inflight_per_endpoint or 1
+        return sum(p.inflight_target for p in pools)
 
     def snapshot(self) -> dict:
         return {model: pool.snapshot() for model, pool in self._pools.items()}

@@ -80,19 +80,51 @@ def owner_token(hostname: str | None = None) -> str:
     return f"{hostname or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: Progress) -> None:
-    ledger.set_progress(
-        run_id,
-        shard_id,
+@dataclass(frozen=True)
+class ProgressReport:
+    """A copy of a Progress's counters, taken where the Progress is mutated (the event loop), so the
+    thread that writes it to the ledger never reads dicts the loop is changing."""
+
+    num_finished: int
+    num_failed: int
+    num_tokens: int
+    per_source_finished: dict
+    per_source_failed: dict
+    per_source_tokens: dict
+    new_tokens_by_source: dict
+
+
+def take_report(prog: Progress) -> ProgressReport:
+    report = ProgressReport(
         num_finished=len(prog.rows),
         num_failed=sum(prog.failed_by_source.values()),
         num_tokens=prog.tokens,
         per_source_finished=dict(prog.by_source),
         per_source_failed=dict(prog.failed_by_source),
         per_source_tokens=dict(prog.tokens_by_source),
+        new_tokens_by_source=dict(prog.unreported_by_source),
     )
-    ledger.add_rate_tokens(run_id, dict(prog.unreported_by_source))
     prog.unreported_by_source.clear()
+    return report
+
+
+def write_report(ledger: Ledger, run_id: str, shard_id: int, report: ProgressReport) -> None:
+    ledger.set_progress(
+        run_id,
+        shard_id,
+        num_finished=report.num_finished,
+        num_failed=report.num_failed,
+        num_tokens=report.num_tokens,
+        per_source_finished=report.per_source_finished,
+        per_source_failed=report.per_source_failed,
+        per_source_tokens=report.per_source_tokens,
+    )
+    ledger.add_rate_tokens(run_id, report.new_tokens_by_source)
+
+
+def record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: Progress) -> None:
+    """For the thread that owns `prog` (no event loop is changing it)."""
+    write_report(ledger, run_id, shard_id, take_report(prog))
 
 
 def mark_done_from_file(ledger: Ledger, layout: RunLayout, shard_id: int) -> ShardDoneEvent:
@@ -160,21 +192,27 @@ def process_shard(
             prog.add(row, new=False)
             count_row(row)
         todo = [r for r in records if r.prompt_id not in prog.rows]
+        # Endpoints first: a worker that cannot serve hands the shard back without marking it running.
+        regenerator, sem = runtime.regenerator_for(mix)
         ledger.set_shard_state(run_id, shard_id, "running")
         record_progress(ledger, run_id, shard_id, prog)
         num_skipped = len(prog.rows)
+        runtime.intake.shard_started(len(todo))
+        num_answered = [0]
         try:
-            regenerator, sem = runtime.regenerator_for(mix)  # a pool whose endpoints all refuse raises here
             runtime.call(
-                _answer_all(runtime, ledger, run_id, shard_id, owner, todo, prog, shard_log, regenerator, sem)
-            )
+                _answer_all(runtime, ledger, run_id, shard_id, owner, todo, prog, shard_log, regenerator, sem,
+                            num_answered)
+            )  # fmt: skip
         except EndpointTerminalError:
-            # No endpoint will take this worker's requests (bad key, wrong model): keep the rows
-            # answered so far, leave the shard unfinished and queued; the task hands it back.
+            # Every endpoint stopped mid-shard (bad key, wrong model): keep the rows answered so far,
+            # leave the shard unfinished and queued; the task hands it back.
             shard_log.close()
             record_progress(ledger, run_id, shard_id, prog)
             ledger.set_shard_state(run_id, shard_id, "queued")
             raise
+        finally:
+            runtime.intake.shard_finished(len(todo) - num_answered[0])
         shard_log.close()
         ordered = [prog.rows[r.prompt_id] for r in records if r.prompt_id in prog.rows]
         if len(ordered) != len(records):  # pragma: no cover - every prompt yields a row, error or not
@@ -209,8 +247,9 @@ def _should_redo(row: dict, redo_errors: str) -> bool:
 
 
 async def _answer_all(
-    runtime, ledger, run_id, shard_id, owner, todo: list[PromptRecord], prog, shard_log, regenerator, sem
-):
+    runtime, ledger, run_id, shard_id, owner, todo: list[PromptRecord], prog, shard_log, regenerator, sem,
+    num_answered: list[int],
+):  # fmt: skip
     settings = runtime.settings
     lost = asyncio.Event()
 
@@ -221,7 +260,8 @@ async def _answer_all(
             if not ok:
                 lost.set()
                 return
-            await asyncio.to_thread(record_progress, ledger, run_id, shard_id, prog)
+            report = take_report(prog)  # here, on the loop that mutates prog
+            await asyncio.to_thread(write_report, ledger, run_id, shard_id, report)
 
     async def one(record: PromptRecord):
         if record.input_ids is not None:
@@ -238,6 +278,8 @@ async def _answer_all(
         shard_log.append(row)
         prog.add(row, new=True)
         count_row(row)
+        num_answered[0] += 1
+        runtime.intake.prompt_answered()  # may let the worker take its next shard
 
     hb = asyncio.create_task(heartbeat())
     try:

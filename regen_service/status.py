@@ -1,7 +1,8 @@
 """Progress of runs, from the ledger alone: a handful of hash reads per run, cheap at 83K prompts.
 
 Counters are per shard (set by the shard's holder), so status sums at most a few thousand fields and
-never reads storage. Rendering for humans (rich) and machines (--json) lives at the bottom.
+never reads storage. The live workers (regen_service.presence) come along, so a run nobody consumes
+says so. Rendering for humans is regen_service.status_view's.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import time
 from collections import defaultdict
 
 from regen_service.ledger import Ledger
+from regen_service.presence import live_workers
 
 JSON_KEYS = (
     "run_id", "state", "shards_total", "shards_done", "shards_failed", "prompts_total", "prompts_done",
-    "prompts_failed", "tokens_generated", "tokens_per_s", "eta_s", "sources",
+    "prompts_failed", "tokens_generated", "tokens_per_s", "eta_s", "sources", "live_consumers", "workers",
 )  # fmt: skip
 
 
@@ -78,6 +80,14 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         _sum_by_source(srcfailed),
         _sum_by_source(srctokens),
     )
+    # Sources that kept nothing have no shard: list them too, with what enqueue read and quarantined.
+    for name, counts in json.loads(rec.get("source_stats", "{}")).items():
+        s = per_src.setdefault(
+            name, {"shards_total": 0, "shards_done": 0, "shards_failed": 0, "prompts_total": 0}
+        )
+        s.update(
+            read=counts.get("read", 0), kept=counts.get("kept", 0), quarantined=counts.get("quarantined", 0)
+        )
     for name, s in per_src.items():
         s["prompts_done"] = done_by.get(name, 0)
         s["prompts_failed"] = failed_by.get(name, 0)
@@ -86,8 +96,11 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         s["eta_s"] = _eta_s(s["prompts_total"] - s["prompts_done"], s["prompts_done"], s["tokens_generated"],
                             s["tokens_per_s"])  # fmt: skip
         s["state"] = _state(src_states[name], s["prompts_done"])
+    workers = live_workers(ledger.settings, ledger.r)
     return {
         "run_id": run_id,
+        "live_consumers": sum(w.get("state") == "consuming" for w in workers),
+        "workers": workers,
         "state": _state(states, prompts_done),
         "shards_total": len(states),
         "shards_done": states.count("done"),
@@ -103,33 +116,3 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         "model": rec.get("model"),
         "updated_at": now or time.time(),
     }
-
-
-def render(statuses: list[dict]) -> None:
-    """A rich view: one progress bar per run and per source."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn
-
-    console = Console()
-    if not statuses:
-        console.print("no runs in the ledger (enqueue one with `regen enqueue MIX.yaml`)")
-        return
-    for st in statuses:
-        eta = "-" if st["eta_s"] is None else f"{st['eta_s']:.0f}s"
-        console.print(
-            f"[bold]{st['run_id']}[/bold]  {st['state']}  shards {st['shards_done']}/{st['shards_total']}"
-            f" (failed {st['shards_failed']})  prompts {st['prompts_done']}/{st['prompts_total']}"
-            f" (failed {st['prompts_failed']})  tokens {st['tokens_generated']}  {st['tokens_per_s']} tok/s  ETA {eta}"
-        )
-        progress = Progress(
-            TextColumn("  {task.description:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total} prompts"),
-            TextColumn("{task.fields[extra]}"), console=console, auto_refresh=False,
-        )  # fmt: skip
-        for name, s in sorted(st["sources"].items()):
-            progress.add_task(
-                name, total=max(1, s["prompts_total"]), completed=s["prompts_done"],
-                extra=f"failed {s['prompts_failed']}, shards {s['shards_done']}/{s['shards_total']}, "
-                f"{s['tokens_per_s']} tok/s, {s['state']}",
-            )  # fmt: skip
-        progress.refresh()
-        console.print(progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from regen_service.drafter.accept import accept_length
@@ -35,6 +36,7 @@ def _draft(ckpt: dict, target: HFTarget, trained: bool) -> Eagle3Draft:
     return draft
 
 
+@pytest.mark.slow  # trains a draft for about a minute on the CPU: the full suite's, not the fast lane's
 def test_training_raises_accept_length(settings, tmp_path):
     torch.manual_seed(0)
     # logit_scale: a peaked next-token distribution, as a trained LLM has (a random head spreads it near

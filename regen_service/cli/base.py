@@ -1,13 +1,33 @@
-"""The `regen` click group; command modules attach their commands to it, and the run id check they share."""
+"""The `regen` click group; command modules attach their commands to it, and the run id check they share.
+
+Operational faults any command can meet (Redis unreachable or lost mid-command) become one-line
+errors here, in one place, instead of tracebacks.
+"""
 
 from __future__ import annotations
 
 import click
+import redis
 
 from regen_service import __version__
+from regen_service.errors import LedgerUnreachableError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class RegenGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except LedgerUnreachableError as e:
+            raise click.ClickException(str(e)) from None
+        except redis.ConnectionError as e:
+            raise click.ClickException(
+                f"lost the connection to Redis ({e}); check that it runs and that REGEN_REDIS_URL points at it"
+            ) from None
+
+
+@click.group(
+    cls=RegenGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+)
 @click.version_option(__version__, prog_name="regen")
 def main() -> None:
     """regen: regenerate EAGLE-3 draft training data with the target model, through Redis and Celery."""

@@ -1,4 +1,5 @@
-"""CLI commands of the drafter: `regen train` (export/validate commands are added by their owners).
+"""CLI commands of the drafter: `regen train` and `regen make-tiny-target` (export/validate commands are
+added by their owners).
 
 torch and transformers are imported inside the command, so `regen --help` stays fast and works on
 hosts without them.
@@ -93,3 +94,30 @@ def train_cmd(
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(summary, default=str))
     sys.stdout.flush()
+
+
+@main.command("make-tiny-target")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--layers", type=int, default=4, show_default=True, help="decoder layers (EAGLE-3 needs >= 4)")
+@click.option("--hidden", type=int, default=128, show_default=True, help="hidden size")
+@click.option("--heads", type=int, default=4, show_default=True, help="attention heads")
+@click.option("--kv-heads", type=int, default=2, show_default=True, help="key/value heads")
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_tiny_target_cmd(
+    out_dir: str, layers: int, hidden: int, heads: int, kv_heads: int, seed: int
+) -> None:
+    """Write a tiny random Llama target (the demo tokenizer) to OUT_DIR, for CPU dry runs of `regen train`
+    and of vLLM's CPU build (which needs hidden/heads >= 32: the defaults give 32)."""
+    from regen_service.drafter.fixtures import make_tiny_target
+
+    if layers < 4 or hidden % heads or heads % kv_heads:
+        raise click.ClickException(
+            "--layers must be >= 4, --heads must divide --hidden and --kv-heads must divide --heads"
+        )
+    path = make_tiny_target(out_dir, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seed=seed)
+    config = json.loads((path / "config.json").read_text())
+    click.echo(
+        f"tiny target in {path}: {layers} layers, hidden {hidden}, head_dim {hidden // heads}, vocabulary "
+        f"{config['vocab_size']}, max_position_embeddings {config['max_position_embeddings']}; train on it "
+        f"with e.g. draft_vocab_size: 512 and max_length: 256 in train.yaml"
+    )

@@ -1,4 +1,5 @@
-"""CLI commands of the pipeline: enqueue, worker, status, resume, retry-failed, flower, demo.
+"""CLI commands of the pipeline: enqueue, worker, retry-failed, flower, demo (status, runs and resume are
+in regen_service.cli.runs).
 
 Each command reads Settings from the environment once and passes it down; the library does the work.
 """
@@ -9,21 +10,39 @@ import json
 import logging
 import os
 import sys
-import time
 
 import click
+from pydantic import ValidationError
 
 from regen_service.cli.base import main, run_id_param
+from regen_service.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.errors import ConfigError
+from regen_service.ledger import check_reachable
 from regen_service.settings import Settings, redact_url
 from schemas.mix import MixError
 
+_ENV_OF_FIELD = {
+    "redis_url": "REGEN_REDIS_URL", "data_root": "REGEN_DATA_ROOT", "key_prefix": "REGEN_KEY_PREFIX",
+    "visibility_timeout_s": "REGEN_VISIBILITY_TIMEOUT_S", "lease_ttl_s": "REGEN_LEASE_TTL_S",
+    "heartbeat_s": "REGEN_HEARTBEAT_S", "log_level": "REGEN_LOG_LEVEL",
+}  # fmt: skip
 
-def _settings() -> Settings:
+
+def _settings(*, need_redis: bool = False) -> Settings:
+    """Settings from the environment; a bad value or (with need_redis) an unreachable Redis is one line."""
     try:
-        return Settings.from_env()
-    except ValueError as e:
-        raise click.ClickException(f"bad environment settings: {e}") from None
+        settings = Settings.from_env()
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            var = _ENV_OF_FIELD.get(str(err["loc"][0]), str(err["loc"][0]))
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            problems.append(msg if msg.startswith(var) else f"{var}: {msg}")
+        problems = "; ".join(problems)
+        raise click.ClickException(f"bad environment settings: {problems}") from None
+    if need_redis:
+        check_reachable(settings)  # LedgerUnreachableError: one line, from the regen group
+    return settings
 
 
 def _setup_logging(settings: Settings) -> None:
@@ -45,24 +64,45 @@ def _print_json(obj) -> None:
     is_flag=True,
     help="ask every prompt, even ones answered by earlier runs with the same settings",
 )
-def enqueue(mix: str, as_json: bool, no_reuse: bool) -> None:
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="queue nothing and exit 1 when a source keeps nothing or quarantines too much",
+)
+@click.option(
+    "--max-quarantined-fraction",
+    type=click.FloatRange(0, 1),
+    default=DEFAULT_MAX_QUARANTINED_FRACTION,
+    show_default=True,
+    help="warn about a source that quarantines more than this fraction of its rows",
+)
+def enqueue(mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantined_fraction: float) -> None:
     """Prepare MIX (a mix YAML) as a run under $REGEN_DATA_ROOT and queue one task per shard.
 
     The run id comes from the mix's content: enqueueing the same mix again sends nothing and says so.
+    Prints what each source kept and quarantined (with the top reasons) and warns about sources that
+    keep nothing or quarantine more than --max-quarantined-fraction; with --strict such a run is
+    prepared but not queued, and the command exits 1.
     """
     from regen_service.producer import enqueue as do_enqueue
 
     settings = _settings()
     _setup_logging(settings)
     try:
-        res = do_enqueue(settings, mix, reuse=not no_reuse)
+        res = do_enqueue(
+            settings, mix, reuse=not no_reuse, strict_fraction=max_quarantined_fraction if strict else None
+        )
     except (MixError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
+    warnings = source_warnings(res.sources, max_quarantined_fraction)
     if as_json:
-        _print_json(res.as_dict())
-        return
-    click.echo(res.run_id)
-    click.echo(res.message, err=True)
+        _print_json({**res.as_dict(), "warnings": warnings})
+    else:
+        click.echo(res.run_id)
+        click.echo(res.message, err=True)
+        click.echo(format_report(res.sources), err=True)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
 
 
 def read_api_key(env_var: str, key_file: str | None):
@@ -82,11 +122,21 @@ def read_api_key(env_var: str, key_file: str | None):
     "--endpoint", "endpoints", multiple=True, required=True, help="SGLang base URL; repeat for several"
 )
 @click.option(
+    "--max-shards-in-hand",
     "--concurrency",
+    "max_shards_in_hand",
     type=int,
-    default=2,
+    default=64,
     show_default=True,
-    help="shards worked on at once (the next shard fills the pool while one drains its tail)",
+    help="memory bound on shards held at once; the worker takes another shard whenever the prompts it "
+    "holds cannot fill its in-flight budget (--concurrency is the old name)",
+)
+@click.option(
+    "--exit-after-no-endpoint-s",
+    type=float,
+    default=None,
+    help="exit with status 3 after this long without a usable endpoint, for compose/systemd to restart "
+    "the worker [default: keep checking the endpoints with backoff]",
 )
 @click.option(
     "--max-inflight-per-endpoint",
@@ -126,9 +176,9 @@ def read_api_key(env_var: str, key_file: str | None):
 @click.option("--metrics-address", default="127.0.0.1", show_default=True,
               help="address the metrics server binds (0.0.0.0: every interface)")  # fmt: skip
 @click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
-def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_key_file, no_stream, engine,
-           stall_timeout_s, request_timeout_s, max_reply_bytes, stream_slack_events, max_attempts,
-           metrics_port, metrics_address, hostname) -> None:  # fmt: skip
+def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight_per_endpoint, api_key_env,
+           api_key_file, no_stream, engine, stall_timeout_s, request_timeout_s, max_reply_bytes,
+           stream_slack_events, max_attempts, metrics_port, metrics_address, hostname) -> None:  # fmt: skip
     """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
 
@@ -140,7 +190,8 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
     node = hostname or f"regen@{socket.gethostname()}-{os.getpid()}"
     try:
         config = WorkerConfig(
-            endpoints=list(endpoints), num_shards_in_parallel=concurrency,
+            endpoints=list(endpoints), max_shards_in_hand=max_shards_in_hand,
+            exit_after_no_endpoint_s=exit_after_no_endpoint_s,
             api_key=read_api_key(api_key_env, api_key_file), max_inflight_per_endpoint=max_inflight_per_endpoint,
             stream=not no_stream, engine=engine, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
             request_timeout_s=request_timeout_s or None, max_reply_bytes=max_reply_bytes,
@@ -149,66 +200,31 @@ def worker(endpoints, concurrency, max_inflight_per_endpoint, api_key_env, api_k
         )  # fmt: skip
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    check_reachable(settings)
     if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr=metrics_address)
+        try:
+            start_http_server(metrics_port, addr=metrics_address)
+        except OSError as e:
+            raise click.ClickException(
+                f"--metrics-port {metrics_port}: cannot listen on {metrics_address} ({e.strerror}); pick a free "
+                "port or leave --metrics-port out"
+            ) from None
     logging.getLogger("regen.worker").info(
         "worker %s: broker %s, queue %s, endpoints %s", node, settings.redis_url_redacted, settings.queue_name,
         ", ".join(redact_url(e) for e in endpoints),
     )  # fmt: skip
     celery_app.configure(settings, config)
-    celery_app.app.worker_main(
-        ["worker", "--pool=threads", f"--concurrency={concurrency}", "-Q", settings.queue_name, "-E",
-         "--without-gossip", "--without-mingle", "-n", node, f"--loglevel={settings.log_level}"]
-    )  # fmt: skip
-
-
-@main.command()
-@click.argument("run_id", required=False, callback=run_id_param)
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@click.option("--watch", type=float, default=None, help="refresh every N seconds until the run is done")
-def status(run_id: str | None, as_json: bool, watch: float | None) -> None:
-    """Progress of RUN_ID (or of every run): shards, prompts, tokens, tokens/s, ETA, per source."""
-    from regen_service.ledger import Ledger
-    from regen_service.status import render, run_status
-
-    ledger = Ledger(_settings())
-    while True:
-        ids = [run_id] if run_id else ledger.run_ids()
-        statuses = [s for s in (run_status(ledger, r) for r in ids) if s]
-        if run_id and not statuses:
-            raise click.ClickException(
-                f"run {run_id!r} is not in the ledger; if Redis was wiped, `regen resume {run_id}` rebuilds it"
-            )
-        if as_json:
-            _print_json(statuses[0] if run_id else {"runs": statuses})
-        else:
-            render(statuses)
-        if not watch or all(s["state"] in ("done", "failed") for s in statuses):
-            return
-        time.sleep(watch)
-
-
-@main.command()
-@click.argument("run_id", callback=run_id_param)
-@click.option("--json", "as_json", is_flag=True)
-def resume(run_id: str, as_json: bool) -> None:
-    """Rebuild RUN_ID's ledger from the data root and queue its unfinished shards (safe to repeat)."""
-    from regen_service.resume import resume_run
-
     try:
-        res = resume_run(_settings(), run_id)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
-    if as_json:
-        _print_json(res.as_dict())
-    else:
-        click.echo(
-            f"{run_id}: {res.shards_done}/{res.shards_total} shards done; queued {len(res.shards_sent)}, "
-            f"{len(res.shards_leased)} held by live workers, {len(res.shards_already_queued)} already queued"
-            + ("; ledger rebuilt from storage" if res.ledger_rebuilt else "")
-        )
+        celery_app.app.worker_main(
+            ["worker", "--pool=threads", f"--concurrency={max_shards_in_hand}", "--prefetch-multiplier=1",
+             "-Q", settings.queue_name, "-E", "--without-gossip", "--without-mingle", "-n", node,
+             f"--loglevel={settings.log_level}"]
+        )  # fmt: skip
+    finally:
+        if celery_app.exit_code:
+            sys.exit(celery_app.exit_code)
 
 
 @main.command("retry-failed")
@@ -218,7 +234,7 @@ def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
     """Send rows of RUN_ID that exhausted their retries back through the queue."""
     from regen_service.resume import retry_failed
 
-    _print_json(retry_failed(_settings(), run_id, include_terminal=include_terminal))
+    _print_json(retry_failed(_settings(need_redis=True), run_id, include_terminal=include_terminal))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -251,7 +251,9 @@ class EndpointPool:
                 # SGLang's native stream reports even a 400 (context length) as an uncoded event:
                 # the next attempt goes non-streaming, where the same failure carries its status.
                 state.stream = False
-            log.info("attempt %d on %s failed: %s", state.number, ep.label, scrub_secrets(str(e)))
+            # DEBUG: at 5% 503s a busy worker would log hundreds of these a minute; the counts are in the
+            # metrics (regen_client_errors_total) and each row's `attempts`, ejections log at WARNING.
+            log.debug("attempt %d on %s failed: %s", state.number, ep.label, scrub_secrets(str(e)))
             raise
         except RowTerminalError:
             ep.count_error("terminal_row")

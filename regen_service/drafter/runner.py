@@ -31,6 +31,7 @@ from regen_service.drafter.checkpoint import load_latest, save_checkpoint
 from regen_service.drafter.config import TrainConfig
 from regen_service.drafter.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.drafter.dist import DistContext, broadcast_object, init_distributed, shutdown
+from regen_service.drafter.preflight import check_train_config
 from regen_service.drafter.target import HFTarget
 from regen_service.drafter.train import DraftTrainer, draft_config_for
 from regen_service.drafter.vocab import VocabCounter, build_vocab, coverage
@@ -77,6 +78,7 @@ def train_from_run(
     device: str | None = None,
 ) -> dict:
     """Train until the stream has nothing more (with follow: until the run is done). Returns a summary."""
+    check_train_config(cfg, target_path)  # before any weight is loaded or process group started
     ctx = init_distributed(device)
     try:
         return _Run(settings, run_id, target_path, out_dir, cfg, ctx, follow, group, consumer).run()
