@@ -5,6 +5,9 @@ Modes:
           sequence 2048, TTT 7, fed synthetic target states: tokens/s, model FLOPs utilization, peak memory.
   online  a random-weight ~1B Llama target (H 2048, 16 layers, vocab 128256) run online each step, with
           its draft: step time, the target's share of it.
+  numerics  the fast step (flex attention on CUDA, fused head loss, bf16 parameters) against the reference
+          (eager attention, per-step fp32 logits, fp32 parameters) on the same weights and batch: relative
+          loss and worst gradient differences, hard and soft targets, T not a multiple of the 128 block.
   ddp     a learnable synthetic task (tokens walk a fixed permutation) for N steps, one process or under
           torchrun; each rank prints its losses; rank 0 alone writes the checkpoint.
 Imports only torch/transformers and the drafter's torch-only modules (no pydantic, no Redis), so it
@@ -138,6 +141,46 @@ def bench_online(a) -> dict:
     }  # fmt: skip
 
 
+def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str) -> dict:
+    import copy
+
+    from regen_service.drafter.model import Eagle3Draft
+    from regen_service.drafter.ttt import ttt_loss
+
+    torch.manual_seed(0)
+    c = DraftConfig(512, 1024, 8, 2, 64, 1e-5, 500000.0, 4096, 3000, 700, 512)
+    ref = Eagle3Draft(c).to(dev)
+    t2d = torch.zeros(3000, dtype=torch.bool)
+    t2d[:700] = True
+    ref.set_vocab(torch.zeros(700, dtype=torch.long), t2d)
+    new = copy.deepcopy(ref).to(dtype)
+    new.set_attention("flex" if dev == "cuda" else "eager")
+    aux, ids = torch.randn(2, t, 1536, device=dev), torch.randint(0, 900, (2, t), device=dev)
+    mask = (torch.rand(2, t, device=dev) > 0.2).long()
+    probs = torch.softmax(torch.randn(2, t, 700, device=dev) * 3, -1) if soft else None
+    l0, _ = ttt_loss(ref, aux, ids, ids, mask, 7, 0.8, probs, fused=False)
+    l0.backward()
+    l1, _ = ttt_loss(new, aux.to(dtype), ids, ids, mask, 7, 0.8, None if probs is None else probs.to(dtype))
+    l1.backward()
+    g = {
+        n: float((p1.grad.float() - p0.grad).norm() / p0.grad.norm())
+        for (n, p0), (_, p1) in zip(ref.named_parameters(), new.named_parameters(), strict=True)
+        if p0.grad is not None
+    }
+    return {
+        "seq": t, "dtype": str(dtype), "target": "soft" if soft else "hard", "attention": new.midlayer.self_attn.impl,
+        "loss_rel": abs(float(l1) - float(l0)) / abs(float(l0)), "grad_rel_max": max(g.values()),
+        "grad_rel_worst": max(g, key=g.get),
+    }  # fmt: skip
+
+
+def bench_numerics(a) -> dict:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = [(300, torch.float32, False), (300, torch.float32, True), (256, torch.bfloat16, True)]
+    cases += [(300, torch.bfloat16, False)]
+    return {"mode": "numerics", "cases": [_numerics_case(t, dt, soft, dev) for t, dt, soft in cases]}
+
+
 def bench_ddp(a) -> dict:
     ctx = init_distributed(None)
     c = draft_shapes(1024, 16, 4, 4096, 32000, 4096)
@@ -172,7 +215,7 @@ def bench_ddp(a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("draft", "online", "ddp"), default="draft")
+    p.add_argument("--mode", choices=("draft", "online", "ddp", "numerics"), default="draft")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--ttt", type=int, default=7)
@@ -181,7 +224,8 @@ def main() -> None:
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
     a = p.parse_args()
-    res = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp}[a.mode](a)
+    modes = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp, "numerics": bench_numerics}
+    res = modes[a.mode](a)
     if torch.cuda.is_available():
         res["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(res), flush=True)
