@@ -47,10 +47,12 @@ LAYERS = 6
 def target_dir(tmp_path_factory):
     # head_dim 32: vLLM's CPU attention serves 32, 64, 80, ... (not the 16 of the smaller fixtures).
     # embed_scale 30: the token's own embedding dominates the residual stream, so the random target's
-    # greedy text is learnable from ~300 short answers (at 10 a draft reaches ~1.9 offline, at 30 ~3.7)
+    # greedy text is learnable from ~300 short answers (at 10 a draft reaches ~1.9 offline, at 30 ~3.7);
+    # logit_scale 30: a peaked next-token distribution as trained LLMs have, which the default soft
+    # targets learn from (a random head spreads it near uniformly)
     return make_tiny_target(
         tmp_path_factory.mktemp("engine") / "target", layers=LAYERS, hidden=128, heads=4, kv_heads=2,
-        embed_scale=30.0,
+        embed_scale=30.0, logit_scale=30.0,
     )  # fmt: skip
 
 
