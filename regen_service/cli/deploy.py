@@ -136,6 +136,31 @@ def convert_draft_cmd(src, out, target_config, dtype, overwrite, keep_failed, as
     _report_out(report, as_json, {"notes": notes})
 
 
+def _print_or_exec(build, print_only: bool) -> None:
+    """Build a server's launch (its preflight may refuse it, with the report), then print or exec it."""
+    from pydantic import ValidationError
+
+    from regen_service.deploy.launch import DraftPreflightError
+    from regen_service.drafter.validate import format_report
+
+    try:
+        launch = build()
+    except ValidationError as e:
+        raise click.UsageError(
+            "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        ) from None
+    except DraftPreflightError as e:
+        click.echo(format_report(e.report), err=True)
+        raise click.ClickException(f"{e}. Fix the draft (see above) and run again.") from None
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if print_only:
+        click.echo(launch.shell())
+        return
+    click.echo(f"exec: {launch.shell()}", err=True)
+    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
 @main.command("launch-sglang")
 @click.option("--target", required=True, help="Target model directory (its config.json checks the draft).")
 @click.option("--draft", type=click.Path(), help="EAGLE-3 draft directory; validated before launch.")
@@ -157,18 +182,9 @@ def launch_sglang_cmd(
     The API key comes from REGEN_ENDPOINT_API_KEY (or REGEN_ENDPOINT_API_KEY_FILE) and is never printed."""
     import shlex
 
-    from pydantic import ValidationError
+    from regen_service.deploy.launch import LaunchSpec, SpecParams, api_key_from_env, build_launch
 
-    from regen_service.deploy.launch import (
-        DraftPreflightError,
-        LaunchSpec,
-        SpecParams,
-        api_key_from_env,
-        build_launch,
-    )
-    from regen_service.drafter.validate import format_report
-
-    try:
+    def build():
         params = SpecParams(
             num_steps=spec_steps,
             eagle_topk=spec_topk,
@@ -185,21 +201,9 @@ def launch_sglang_cmd(
             api_key=api_key_from_env(),
             extra=[a for e in extra for a in shlex.split(e)],
         )
-        launch = build_launch(spec)
-    except ValidationError as e:
-        raise click.UsageError(
-            "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-        ) from None
-    except DraftPreflightError as e:
-        click.echo(format_report(e.report), err=True)
-        raise click.ClickException(f"{e}. Fix the draft (see above) and run again.") from None
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    if print_only:
-        click.echo(launch.shell())
-        return
-    click.echo(f"exec: {launch.shell()}", err=True)
-    os.execvp(launch.argv[0], launch.argv)
+        return build_launch(spec)
+
+    _print_or_exec(build, print_only)
 
 
 @main.command("launch-vllm")
@@ -232,11 +236,8 @@ def launch_vllm_cmd(target, served_model_name, draft, spec_tokens, hidden_states
     capturing the trainer's hidden states. The API key comes from REGEN_ENDPOINT_API_KEY and is never printed."""
     import shlex
 
-    from pydantic import ValidationError
-
-    from regen_service.deploy.launch import DraftPreflightError, api_key_from_env
+    from regen_service.deploy.launch import api_key_from_env
     from regen_service.deploy.launch_vllm import VllmLaunchSpec, build_vllm_launch
-    from regen_service.drafter.validate import format_report
 
     try:
         layers = [int(x) for x in aux_layers.split(",")] if aux_layers else None
@@ -244,7 +245,8 @@ def launch_vllm_cmd(target, served_model_name, draft, spec_tokens, hidden_states
         raise click.UsageError(
             f"--aux-layers {aux_layers!r}: give comma-separated layer numbers, e.g. 2,30,58"
         ) from None
-    try:
+
+    def build():
         spec = VllmLaunchSpec(
             target=target, served_model_name=served_model_name, draft=draft, num_speculative_tokens=spec_tokens,
             hidden_states_dir=hidden_states_dir, aux_layer_ids=layers, tp=tp, host=host, port=port,
@@ -252,21 +254,9 @@ def launch_vllm_cmd(target, served_model_name, draft, spec_tokens, hidden_states
             gpu_memory_utilization=gpu_memory_utilization, api_key=api_key_from_env(),
             extra=[a for e in extra for a in shlex.split(e)], **({"python": python_exe} if python_exe else {}),
         )  # fmt: skip
-        launch = build_vllm_launch(spec)
-    except ValidationError as e:
-        raise click.UsageError(
-            "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-        ) from None
-    except DraftPreflightError as e:
-        click.echo(format_report(e.report), err=True)
-        raise click.ClickException(f"{e}. Fix the draft (see above) and run again.") from None
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    if print_only:
-        click.echo(launch.shell())
-        return
-    click.echo(f"exec: {launch.shell()}", err=True)
-    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+        return build_vllm_launch(spec)
+
+    _print_or_exec(build, print_only)
 
 
 @main.command("bench-spec")

@@ -76,6 +76,7 @@ class Launch(BaseModel):
 
     argv: list[str]
     report: DraftReport | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # what the server's environment needs on top
 
     def redacted(self) -> list[str]:
         out = list(self.argv)
@@ -85,7 +86,8 @@ class Launch(BaseModel):
         return out
 
     def shell(self) -> str:
-        return shlex.join(self.redacted())
+        prefix = [f"{k}={v}" for k, v in self.env.items()]
+        return shlex.join([*(["env", *prefix] if prefix else []), *self.redacted()])
 
 
 def api_key_from_env() -> SecretStr | None:

@@ -15,7 +15,6 @@ Running vLLM is the operator's (or a test's) business; the CLI (`regen launch-vl
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -57,14 +56,6 @@ class VllmLaunchSpec(BaseModel):
         if self.draft and self.hidden_states_dir:
             raise ValueError("--draft and --hidden-states are separate servers: pass one of them")
         return self
-
-
-class VllmLaunch(Launch):
-    env: dict[str, str] = Field(default_factory=dict)
-
-    def shell(self) -> str:
-        prefix = [f"{k}={v}" for k, v in self.env.items()]
-        return shlex.join([*(["env", *prefix] if prefix else []), *self.redacted()])
 
 
 def _target_info(target: Path) -> fmt.TargetInfo:
@@ -116,7 +107,7 @@ def check_fits(spec: VllmLaunchSpec) -> None:
         )
 
 
-def build_vllm_launch(spec: VllmLaunchSpec) -> VllmLaunch:
+def build_vllm_launch(spec: VllmLaunchSpec) -> Launch:
     """The argv for vLLM's OpenAI server; raises ConfigError (DraftPreflightError) when a check fails."""
     target = Path(spec.target)
     check_fits(spec)
@@ -157,4 +148,4 @@ def build_vllm_launch(spec: VllmLaunchSpec) -> VllmLaunch:
     if spec.api_key:
         argv += ["--api-key", spec.api_key.get_secret_value()]
     argv += spec.extra
-    return VllmLaunch(argv=argv, report=report, env=env)
+    return Launch(argv=argv, report=report, env=env)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import torch
 
-from regen_service.drafter.target import checked_aux_layer_ids, head_outputs
+from regen_service.drafter.target import TargetBackend, checked_aux_layer_ids, head_outputs
 from regen_service.errors import ConfigError, RegenError
 
 
@@ -97,7 +97,7 @@ def read_state_file(path: str) -> dict[str, torch.Tensor]:
     return data
 
 
-class VllmTarget:
+class VllmTarget(TargetBackend):
     """Same interface as target.HFTarget: forward(input_ids, attention_mask) -> (aux [B,T,3H], argmax [B,T])."""
 
     def __init__(
@@ -209,15 +209,6 @@ class VllmTarget:
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return self._normed(last).to(self._lm_head.dtype) @ self._lm_head.T
-
-    @torch.no_grad()
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        aux, pred, _ = self.states(input_ids, attention_mask)
-        return aux, pred
-
-    __call__ = forward
 
     @torch.no_grad()
     def states(

@@ -78,7 +78,10 @@ def train_from_run(
     device: str | None = None,
 ) -> dict:
     """Train until the stream has nothing more (with follow: until the run is done). Returns a summary."""
-    check_train_config(cfg, target_path)  # before any weight is loaded or process group started
+    # Before any weight is loaded or process group started: first whether the folder's code may run at
+    # all, then whether the config fits the target.
+    require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)
+    check_train_config(cfg, target_path)
     ctx = init_distributed(device)
     try:
         return _Run(settings, run_id, target_path, out_dir, cfg, ctx, follow, group, consumer).run()
@@ -93,7 +96,6 @@ class _Run:
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
-        require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)  # before any work
         self.target = make_target(target_path, cfg, ctx.device)
         self.target_path = target_path
         self._renderer = None

@@ -65,7 +65,27 @@ def head_outputs(
     return pred.reshape(b, t), draft
 
 
-class HFTarget:
+class TargetBackend:
+    """What the trainer asks of a target backend (HFTarget here, engine_target.VllmTarget): `states`
+    (aux hidden, greedy next token, draft-vocab logits), plus the sizes and the embedding it shares."""
+
+    def states(self, input_ids, attention_mask=None, draft_token_ids=None):
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (aux hidden [B, T, 3H], target's greedy next token per position [B, T])."""
+        aux, pred, _ = self.states(input_ids, attention_mask)
+        return aux, pred
+
+    __call__ = forward
+
+    def close(self) -> None:
+        """Nothing to release by default (the engine backend closes its connections)."""
+
+
+class HFTarget(TargetBackend):
     def __init__(
         self,
         path: str,
@@ -122,15 +142,3 @@ class HFTarget:
             out.last_hidden_state, self.model.get_output_embeddings().weight, draft_token_ids
         )
         return aux, pred, draft
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (aux hidden [B, T, 3H], target's greedy next token per position [B, T])."""
-        aux, pred, _ = self.states(input_ids, attention_mask)
-        return aux, pred
-
-    __call__ = forward
-
-    def close(self) -> None:
-        """Nothing to release (the engine backend closes its connections)."""
