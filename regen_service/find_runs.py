@@ -39,7 +39,7 @@ def list_runs(settings: Settings) -> list[RunRef]:
     refs: dict[str, RunRef] = {}
     storage = Storage(settings.data_root_resolved)
     try:
-        stored = RunLayout(storage, "").list_runs()
+        stored = RunLayout.list_runs(storage)
     except FileNotFoundError:
         stored = []
     for rid in stored:

@@ -25,8 +25,7 @@ def reuse_path(layout: RunLayout) -> str:
 def answered_elsewhere(storage: Storage, manifest: RunManifest) -> dict[str, tuple[str, int]]:
     """prompt id -> (run id, shard id) of an answer from another run with the same regen_key."""
     found: dict[str, tuple[str, int]] = {}
-    probe = RunLayout(storage, manifest.run_id)
-    for other in probe.list_runs():
+    for other in RunLayout.list_runs(storage):
         if other == manifest.run_id:
             continue
         layout = RunLayout(storage, other)

@@ -175,7 +175,8 @@ class RunLayout:
     def parts_dir(self, shard_id: int) -> str:
         return f"{self.outputs_dir}/parts/shard-{shard_id:05d}"
 
-    def list_runs(self) -> list[str]:
-        """Run ids found under runs/ (a planted folder whose name is no run id is skipped)."""
-        names = [p.rsplit("/", 1)[1] for p in self.storage.ls(self.storage.path("runs"))]
+    @staticmethod
+    def list_runs(storage: Storage) -> list[str]:
+        """Run ids found under the data root's runs/ (a planted folder whose name is no run id is skipped)."""
+        names = [p.rsplit("/", 1)[1] for p in storage.ls(storage.path("runs"))]
         return [n for n in names if RUN_ID_PATTERN.fullmatch(n)]

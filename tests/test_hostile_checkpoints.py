@@ -42,9 +42,13 @@ def test_planted_pickle_checkpoint_is_refused_and_never_runs(command, fmt, setti
     planted = _plant(out, marker, fmt)
     if command == "train":
         target = make_tiny_target(tmp_path / "target", layers=4, hidden=32, heads=4, kv_heads=2)
+        # a config that fits the tiny target, so the preflight passes and the resume reads the checkpoint
+        config = tmp_path / "train.yaml"
+        config.write_text("draft_vocab_size: 512\nmax_length: 256\n")
         cmd = regen_cmd(
-            "train", "--run", "run-x", "--target", str(target), "--out", str(out), "--device", "cpu"
-        )
+            "train", "--run", "run-x", "--target", str(target), "--out", str(out), "--device", "cpu",
+            "--config", str(config),
+        )  # fmt: skip
     else:
         cmd = regen_cmd("export", str(out), "--out", str(tmp_path / "draft"))
     res = subprocess.run(cmd, env={**os.environ, **settings_env}, capture_output=True, text=True, timeout=300)
