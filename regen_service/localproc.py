@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -73,3 +74,22 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None =
             last = e
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not answer in {timeout_s}s (last: {last})")
+
+
+@contextlib.contextmanager
+def simulators(arg_lists: list[list[str]], timeout_s: float = 30.0) -> Iterator[list[str]]:
+    """One `regen sim` per argument list, each on a free port with its output discarded; yields their
+    URLs once every one answers /health, and stops them all on exit (the benchmarks' simulator fleet)."""
+    procs: list[subprocess.Popen] = []
+    urls: list[str] = []
+    try:
+        for args in arg_lists:
+            port = free_port()
+            procs.append(spawn(regen_cmd("sim", "--port", str(port), *args)))
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(procs, urls, strict=True):
+            wait_http(f"{url}/health", timeout_s=timeout_s, proc=proc)
+        yield urls
+    finally:
+        for proc in procs:
+            stop(proc)

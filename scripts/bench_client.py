@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -29,7 +28,6 @@ import httpx
 
 from regen_service.client.config import PoolConfig
 from regen_service.client.pool import EndpointPool
-from regen_service.localproc import free_port
 from regen_service.regenerate import Regenerator
 from schemas.conversation import Conversation, Message, PromptRecord
 from schemas.mix import MixSpec
@@ -38,30 +36,16 @@ MODEL = "moonshotai/Kimi-K2.5"
 REGEN = [sys.executable, "-c", "from regen_service.cli import main; main()"]
 
 
-@contextlib.contextmanager
 def sims(n: int, args: argparse.Namespace, extra: list[str]):
-    procs, urls = [], []
-    try:
-        for i in range(n):
-            port = free_port()
-            cmd = [*REGEN, "sim", "--port", str(port), "--seed", str(i), "--decode-tok-s", str(args.decode_tok_s),
-                   "--max-running-requests", str(args.max_running), "--answer-len-mean", str(args.answer_len_mean),
-                   "--answer-len-max", str(args.answer_len_max), "--tick-s", str(args.tick_s),
-                   "--log-level", "WARNING", *extra]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            for _ in range(300):
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.1)
-        yield urls
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=15)
+    """n simulators of the same capacity (seeds 0..n-1), with `extra` simulator flags (faults)."""
+    from regen_service.localproc import simulators
+
+    return simulators([
+        ["--seed", str(i), "--decode-tok-s", str(args.decode_tok_s), "--max-running-requests", str(args.max_running),
+         "--answer-len-mean", str(args.answer_len_mean), "--answer-len-max", str(args.answer_len_max),
+         "--tick-s", str(args.tick_s), "--log-level", "WARNING", *extra]
+        for i in range(n)
+    ])  # fmt: skip
 
 
 def capacity(urls: list[str]) -> float:

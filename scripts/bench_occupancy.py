@@ -14,7 +14,6 @@ not, so all its requests count), reach the number of prompts. Faults: 5% 503s, 2
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -32,35 +31,16 @@ REGEN = [sys.executable, "-c", "from regen_service.cli import main; main()"]
 FAULTS = ["--fault-503-rate", "0.05", "--fault-disconnect-rate", "0.02"]
 
 
-@contextlib.contextmanager
 def sims(n: int, args: argparse.Namespace, faults: bool):
-    procs, urls = [], []
-    try:
-        for i in range(n):
-            port = _free_port()
-            cmd = [*REGEN, "sim", "--port", str(port), "--seed", str(i), "--decode-tok-s", str(args.decode_tok_s),
-                   "--max-running-requests", str(args.max_running), "--answer-len-mean", str(args.answer_len_mean),
-                   "--answer-len-max", str(args.max_new_tokens), "--log-level", "WARNING",
-                   *(FAULTS if faults else [])]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            for _ in range(300):
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.1)
-        yield urls
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
+    """n simulators of the same capacity (seeds 0..n-1), with or without injected faults."""
+    from regen_service.localproc import simulators
 
-
-def _free_port() -> int:
-    from regen_service.localproc import free_port
-
-    return free_port()
+    return simulators([
+        ["--seed", str(i), "--decode-tok-s", str(args.decode_tok_s), "--max-running-requests", str(args.max_running),
+         "--answer-len-mean", str(args.answer_len_mean), "--answer-len-max", str(args.max_new_tokens),
+         "--log-level", "WARNING", *(FAULTS if faults else [])]
+        for i in range(n)
+    ])  # fmt: skip
 
 
 def _prompts(n: int) -> list[str]:
