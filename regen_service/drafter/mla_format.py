@@ -83,14 +83,7 @@ def expected_shapes(cfg: dict, target_hidden: int) -> dict[str, tuple[int, ...]]
         pre + "post_attention_layernorm.weight": (h,),
     }
     shapes.update(fmt.aux_shapes(cfg, target_hidden, h, fmt.num_aux(cfg)))
-    shapes.update(
-        {
-            "norm.weight": (h,),
-            "lm_head.weight": (int(cfg["draft_vocab_size"]), h),
-            "d2t": (int(cfg["draft_vocab_size"]),),
-            "t2d": (int(cfg["vocab_size"]),),
-        }
-    )
+    shapes.update(fmt.head_shapes(cfg, h))
     return shapes
 
 

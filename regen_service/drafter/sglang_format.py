@@ -152,15 +152,18 @@ def expected_shapes(cfg: dict, target_hidden: int, engine: str = "sglang") -> di
         else:
             shapes[pre + EXTRA_LAYER_NORM[engine]] = (h,)
     shapes.update(aux_shapes(cfg, target_hidden, h, num_aux(cfg)))
-    shapes.update(
-        {
-            "norm.weight": (h,),
-            "lm_head.weight": (int(cfg["draft_vocab_size"]), h),
-            "d2t": (int(cfg["draft_vocab_size"]),),
-            "t2d": (int(cfg["vocab_size"]),),
-        }
-    )
+    shapes.update(head_shapes(cfg, h))
     return shapes
+
+
+def head_shapes(cfg: dict, h: int) -> dict[str, tuple[int, ...]]:
+    """The final norm, lm_head over the draft vocabulary and the vocab maps: the same in every format."""
+    return {
+        "norm.weight": (h,),
+        "lm_head.weight": (int(cfg["draft_vocab_size"]), h),
+        "d2t": (int(cfg["draft_vocab_size"]),),
+        "t2d": (int(cfg["vocab_size"]),),
+    }
 
 
 # The norm an extra draft layer applies before attention, per engine (SGLang 0.5.23 llama_eagle3.py
