@@ -3,6 +3,9 @@
 Modes:
   draft   Llama-3.1-8B draft shapes (H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab 32000),
           sequence 2048, TTT 7, fed synthetic target states: tokens/s, model FLOPs utilization, peak memory.
+          `--shapes kimi`: Kimi-K2.5's Llama-style draft as the trainer derives it (H 7168, 56 x 128 heads,
+          I 18432, vocab 163840, draft vocab 32000); `--shapes kimi-mla`: its MLA draft (64 heads, q_lora
+          1536, kv_lora 512, qk 128+64, v 128: the target's MLA dims).
   online  a random-weight ~1B Llama target (H 2048, 16 layers, vocab 128256) run online each step, with
           its draft: step time, the target's share of it.
   numerics  the fast step (flex attention on CUDA, fused head loss, bf16 parameters) against the reference
@@ -43,14 +46,45 @@ def draft_shapes(h, heads, kv, inter, vocab, dvocab) -> DraftConfig:
     return DraftConfig(h, inter, heads, kv, h // heads, 1e-5, 500000.0, 131072, vocab, dvocab, h)
 
 
+def kimi_shapes(mla: bool) -> DraftConfig:
+    yarn = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    common = dict(hidden_size=7168, intermediate_size=18432, rms_norm_eps=1e-5, rope_theta=50000.0,
+                  max_position_embeddings=262144, vocab_size=163840, draft_vocab_size=32000,
+                  target_hidden_size=7168, rope_scaling=yarn)  # fmt: skip
+    if not mla:
+        return DraftConfig(num_attention_heads=56, num_key_value_heads=56, head_dim=128, **common)
+    return DraftConfig(num_attention_heads=64, num_key_value_heads=64, head_dim=192, draft_arch="mla", q_lora_rank=1536,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **common)  # fmt: skip
+
+
+SHAPES = {
+    "llama-3.1-8b": lambda: draft_shapes(4096, 32, 8, 14336, 128256, 32000),
+    "kimi": lambda: kimi_shapes(False),
+    "kimi-mla": lambda: kimi_shapes(True),
+}
+
+
+def _attn_proj_flops(c: DraftConfig) -> tuple[float, int, int]:
+    """(projection FLOPs per token, qk dim x heads, v dim x heads) of the draft's attention."""
+    h, nh = c.hidden_size, c.num_attention_heads
+    if c.draft_arch == "mla":
+        qk, v, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.qk_rope_head_dim
+        proj = 2 * (2 * h * c.q_lora_rank + c.q_lora_rank * nh * qk + 2 * h * (c.kv_lora_rank + rope))
+        proj += 2 * (c.kv_lora_rank * nh * (c.qk_nope_head_dim + v) + nh * v * h)
+        return proj, nh * qk, nh * v
+    hd, nkv = c.head_dim, c.num_key_value_heads
+    return 2 * 2 * h * (nh + 2 * nkv) * hd + 2 * nh * hd * h, nh * hd, nh * hd
+
+
 def model_flops(c: DraftConfig, t: int, ttt: int) -> float:
     """Training FLOPs per sequence (fwd + bwd = 3x fwd); attention scores counted causal (T^2/2)."""
-    h, i, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    h, i = c.hidden_size, c.intermediate_size
+    proj_tok, qk, v = _attn_proj_flops(c)
     fwd = 2 * t * 3 * c.target_hidden_size * h  # fc
     for step in range(ttt):
-        proj = 2 * t * 2 * h * (nh + 2 * nkv) * hd + 2 * t * nh * hd * h
-        attn = 2 * 2 * nh * hd * (t * t / 2 + t * step)  # QK^T and PV over prefix + own earlier steps
+        proj = t * proj_tok
+        attn = 2 * (qk + v) * (t * t / 2 + t * step)  # QK^T and PV over prefix + own earlier steps
         mlp = 3 * 2 * t * h * i
         head = 2 * t * h * c.draft_vocab_size
         fwd += proj + attn + mlp + head
@@ -78,10 +112,10 @@ def timed(fn, n: int) -> float:
 
 def bench_draft(a) -> dict:
     ctx = init_distributed("cuda")
-    c = draft_shapes(4096, 32, 8, 14336, 128256, 32000)
+    c = SHAPES[a.shapes]()
     tr = make_trainer(c, a.ttt, ctx, attention=a.attention)
     b, t = a.batch, a.seq
-    aux = torch.randn(b, t, 3 * 4096, device="cuda", dtype=torch.bfloat16)
+    aux = torch.randn(b, t, 3 * c.target_hidden_size, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 32000, (b, t), device="cuda")
     mask = torch.ones_like(ids)
     # soft targets (the default objective): the target's logits over the draft vocabulary
@@ -91,12 +125,15 @@ def bench_draft(a) -> dict:
         else None
     )
     step = lambda: tr.train_batch(aux, ids, ids, mask, draft_logits=dl)  # noqa: E731
-    timed(step, 3)
-    torch.cuda.reset_peak_memory_stats()
-    dt = timed(step, a.steps)
+    try:
+        timed(step, 3)
+        torch.cuda.reset_peak_memory_stats()
+        dt = timed(step, a.steps)
+    except torch.OutOfMemoryError as e:
+        return {"mode": "draft", "shapes": a.shapes, "batch": b, "seq": t, "oom": str(e)[:160]}
     fl = model_flops(c, t, a.ttt) * b
     return {
-        "mode": "draft", "shapes": "llama-3.1-8b", "target": a.target, "attention": a.attention, "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(dt, 4),
+        "mode": "draft", "shapes": a.shapes, "target": a.target, "attention": a.attention, "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(dt, 4),
         "tokens_per_s": round(b * t / dt), "model_tflop_per_step": round(fl / 1e12, 2),
         "mfu_vs_989": round(fl / dt / PEAK_BF16, 4), "mfu_vs_790_measured": round(fl / dt / 790e12, 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -141,7 +178,7 @@ def bench_online(a) -> dict:
     }  # fmt: skip
 
 
-def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str) -> dict:
+def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str, mla: bool = False) -> dict:
     import copy
 
     from regen_service.drafter.model import Eagle3Draft
@@ -149,6 +186,11 @@ def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str) -> dict:
 
     torch.manual_seed(0)
     c = DraftConfig(512, 1024, 8, 2, 64, 1e-5, 500000.0, 4096, 3000, 700, 512)
+    if mla:  # the MLA draft at Kimi's proportions, scaled down (qk 128+64 = 192 and v 128, as Kimi's)
+        c = DraftConfig(512, 1024, 8, 8, 192, 1e-5, 50000.0, 4096, 3000, 700, 512, draft_arch="mla",
+                        q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0})  # fmt: skip
     ref = Eagle3Draft(c).to(dev)
     t2d = torch.zeros(3000, dtype=torch.bool)
     t2d[:700] = True
@@ -169,6 +211,7 @@ def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str) -> dict:
     }
     return {
         "seq": t, "dtype": str(dtype), "target": "soft" if soft else "hard", "attention": new.midlayer.self_attn.impl,
+        "draft_arch": c.draft_arch,
         "loss_rel": abs(float(l1) - float(l0)) / abs(float(l0)), "grad_rel_max": max(g.values()),
         "grad_rel_worst": max(g, key=g.get),
     }  # fmt: skip
@@ -178,7 +221,10 @@ def bench_numerics(a) -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cases = [(300, torch.float32, False), (300, torch.float32, True), (256, torch.bfloat16, True)]
     cases += [(300, torch.bfloat16, False)]
-    return {"mode": "numerics", "cases": [_numerics_case(t, dt, soft, dev) for t, dt, soft in cases]}
+    out = [_numerics_case(t, dt, soft, dev) for t, dt, soft in cases]
+    # the MLA draft in bf16 only: flex in fp32 at qk head dim 192 exceeds shared memory (flexattn.fits)
+    out += [_numerics_case(t, torch.bfloat16, soft, dev, mla=True) for t, soft in ((256, True), (300, False))]
+    return {"mode": "numerics", "cases": out}
 
 
 def bench_ddp(a) -> dict:
@@ -223,6 +269,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
     a = p.parse_args()
     modes = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp, "numerics": bench_numerics}
     res = modes[a.mode](a)

@@ -1,11 +1,14 @@
-"""Soft vs hard targets on the CPU at the same budget: accept length of the drafts each one trains.
+"""Two training choices on the CPU at the same budget: accept length of the drafts each one trains.
+
+`--compare target` (the default): soft vs hard targets, Llama-style drafts. `--compare arch`: the
+Llama-style draft vs the MLA draft (draft_arch "mla"), both on soft targets.
 
 A tiny random Llama target (fixtures.make_tiny_target) answers prompts sampled at temperature 1 (with
 greedy answers the two objectives share their argmax everywhere), the same rows are published to two
 runs, a draft is trained from each with the same config (seed, steps, lr) but `target` soft or hard,
 and both are measured with accept.accept_length on held-out prompts (greedy verify, k 3). Needs Redis
 (REGEN_REDIS_URL, default 127.0.0.1:6379; keys under a private prefix, deleted after). Prints JSON.
-  PYTHONPATH=. python scripts/compare_targets.py [--epochs 4] [--temperature 1.0] [--logit-scale 30]
+  PYTHONPATH=. python scripts/compare_targets.py [--compare target|arch] [--epochs 4] [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ from regen_service.drafter.runner import train_from_run
 from regen_service.drafter.target import HFTarget
 from regen_service.settings import Settings
 
+# what each comparison trains: label -> the TrainConfig fields that differ
+CHOICES = {
+    "target": {"soft": {"target": "soft"}, "hard": {"target": "hard"}},
+    "arch": {"llama": {"draft_arch": "llama"}, "mla": {"draft_arch": "mla"}},
+}
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--compare", choices=sorted(CHOICES), default="target")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--shards", type=int, default=3)
@@ -63,18 +73,19 @@ def main() -> None:
     result = {
         "temperature": a.temperature,
         "logit_scale": a.logit_scale,
+        "compare": a.compare,
         "epochs": a.epochs,
         "shards": a.shards,
     }
     try:
-        for mode in ("soft", "hard"):
+        for mode, fields in CHOICES[a.compare].items():
             run = f"run-{mode}"
             ledger = register_run(s, run, num_shards=a.shards, rows_per_shard=48)
             for i, rows in enumerate(shards):
                 publish_shard(s, ledger, run, i, [{**r, "run_id": run} for r in rows])
             cfg = TrainConfig(
                 draft_vocab_size=512, max_length=256, batch_size=12, epochs=a.epochs, lr=2e-3, ttt_length=4,
-                warmup_ratio=0.05, log_every_steps=8, target=mode,
+                warmup_ratio=0.05, log_every_steps=8, **fields,
             )  # fmt: skip
             t0 = time.time()
             summary = train_from_run(s, run, str(target_dir), str(root / mode), cfg, device="cpu")

@@ -24,7 +24,8 @@ from tests.test_drafter_accept import _draft
 
 
 @pytest.mark.slow
-def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_path):
+@pytest.mark.parametrize("draft_arch", ["llama", "mla"])
+def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_path, draft_arch):
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
@@ -58,7 +59,7 @@ def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_p
     cfg = tmp_path / "train.yaml"
     cfg.write_text(yaml.safe_dump({
         "draft_vocab_size": 512, "max_length": 256, "batch_size": 12, "epochs": 12, "lr": 2e-3, "ttt_length": 4,
-        "warmup_ratio": 0.05, "log_every_steps": 8,
+        "warmup_ratio": 0.05, "log_every_steps": 8, "draft_arch": draft_arch,
     }))  # fmt: skip
     env = {**os.environ, **settings_env}
     out = tmp_path / "out"
@@ -78,14 +79,15 @@ def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_p
                          capture_output=True, text=True)  # fmt: skip
     assert val.returncode == 0, val.stdout + val.stderr
     config = json.loads((draft_dir / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 512
+    arch = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[draft_arch]
+    assert config["architectures"] == [arch] and config["draft_vocab_size"] == 512
 
     target = HFTarget(str(target_dir))
     held_out = random_prompts(tok, 6, 12, seed=999)
     before = accept_length(target, _draft(ckpt, target, trained=False), held_out, k=3, max_new_tokens=20)
     after = accept_length(target, _draft(ckpt, target, trained=True), held_out, k=3, max_new_tokens=20)
     print(
-        f"accept length through the pipeline: init {before['accept_length']:.3f} -> trained {after['accept_length']:.3f}"
+        f"accept length through the pipeline ({draft_arch}): init {before['accept_length']:.3f} -> trained {after['accept_length']:.3f}"
     )
     assert before["accept_length"] < 1.1
     assert after["accept_length"] >= 1.5

@@ -46,6 +46,10 @@ class TrainConfig(BaseModel):
     target_endpoint: str | None = None  # the vLLM server's base URL (target_backend vllm)
     target_num_parallel_requests: int = Field(default=8, ge=1)  # sequences in flight to the engine
     target_request_timeout_s: float = Field(default=600.0, gt=0)
+    # draft architecture: "llama" (LlamaForCausalLMEagle3, GQA attention) or "mla" (Eagle3DeepseekV2ForCausalLM:
+    # DeepSeek-V2 multi-latent attention with the target's MLA dims, what SGLang serves for Kimi-K2.5; its KV
+    # cache is 576 values per token against 2048). docs/draft-checkpoints.md says what we found.
+    draft_arch: Literal["llama", "mla"] = "llama"
     # draft shapes; None = the target's
     intermediate_size: int | None = None
     num_attention_heads: int | None = None

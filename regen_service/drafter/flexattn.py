@@ -29,6 +29,12 @@ def available(device: torch.device) -> bool:
     return flex_attention is not None and device.type == "cuda"
 
 
+def fits(dtype: torch.dtype, qk_head_dim: int) -> bool:
+    """Whether the flex kernel fits the GPU's shared memory: fp32 with a qk head dim over 128 does not on
+    an H200 (the MLA draft's 192, padded to 256, asked 278,784 bytes of 232,448); bf16 does."""
+    return dtype != torch.float32 or qk_head_dim <= 128
+
+
 def ttt_mask_mod(t: int):
     def mask_mod(b, h, q_idx, kv_idx):
         return ((kv_idx < t) & (kv_idx <= q_idx)) | ((kv_idx >= t) & (kv_idx % t == q_idx))

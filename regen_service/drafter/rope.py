@@ -4,8 +4,13 @@ The serving engine builds the draft's rotary embedding from config.json's `rope_
 `rope_scaling` (SGLang/vLLM `get_rope`), so training must rotate the same way: YaRN here follows
 their `YaRNScalingRotaryEmbedding` (inv_freq blended between interpolation and extrapolation by the
 beta_fast/beta_slow correction range; cos/sin scaled by yarn_get_mscale(factor) * attn_factor; the
-DeepSeek-only `mscale`/`mscale_all_dim` keys are ignored there, so they are ignored here). Other
-scaling types are refused rather than trained wrong. Applying the rotation (rotate-half form) is
+DeepSeek-only `mscale`/`mscale_all_dim` keys are ignored there, so they are ignored here). The MLA
+draft's attention (DeepseekV2AttentionMLA) rotates with `DeepseekScalingRotaryEmbedding` instead
+(`deepseek=True`): the same inv_freq, cos/sin scaled by mscale(factor, mscale) / mscale(factor,
+mscale_all_dim) * attn_factor, and the softmax scale multiplied by mscale(factor, mscale_all_dim)^2
+(`mla_softmax_scale`; sglang 0.5.23 `layers/rotary_embedding/rope_variant.py`,
+`configs/model_config.compute_mla_mscale_scaling`). Other scaling types are refused rather than
+trained wrong. Applying the rotation (rotate-half form) is
 `apply_rope`; which positions each TTT step uses is ttt.py's. Imports torch only.
 """
 
@@ -22,8 +27,26 @@ def _yarn_correction_dim(rotations: float, dim: int, base: float, max_pos: int) 
     return (dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
-def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] fp32, cos/sin multiplier) for `rope_scaling` (None = plain RoPE)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def mla_softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
+    """DeepseekV2AttentionMLA's softmax scale: 1/sqrt(qk_nope + qk_rope), times mscale(factor,
+    mscale_all_dim)^2 under YaRN (1 when mscale_all_dim is unset)."""
+    base = qk_head_dim**-0.5
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if not scaling or kind in (None, "default"):
+        return base
+    m = yarn_mscale(float(scaling.get("factor", 1.0)), float(scaling.get("mscale_all_dim") or 0.0))
+    return base * m * m
+
+
+def inv_freq_and_scale(
+    head_dim: int, theta: float, scaling: dict | None, deepseek: bool = False
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] fp32, cos/sin multiplier) for `rope_scaling` (None = plain RoPE);
+    `deepseek`: the MLA attention's variant of the multiplier."""
     extrap = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if not scaling or kind in (None, "default"):
@@ -43,16 +66,21 @@ def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -> tup
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     mask = (1 - ramp) * float(scaling.get("extrapolation_factor", 1.0))
     inv = (extrap / factor) * (1 - mask) + extrap * mask
-    mscale = (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0) * float(scaling.get("attn_factor", 1.0))
-    return inv.float(), mscale
+    attn_factor = float(scaling.get("attn_factor", 1.0))
+    if deepseek:
+        ratio = yarn_mscale(factor, float(scaling.get("mscale", 1.0))) / yarn_mscale(
+            factor, float(scaling.get("mscale_all_dim") or 0.0)
+        )
+        return inv.float(), ratio * attn_factor
+    return inv.float(), yarn_mscale(factor) * attn_factor
 
 
 class RotaryTable:
     """cos/sin [P, head_dim] for positions 0..P-1, grown on demand and kept per device/dtype, so a
     training step indexes a table instead of recomputing trigonometry at every TTT step."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
-        self.inv_freq, self.mscale = inv_freq_and_scale(head_dim, theta, scaling)
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, deepseek: bool = False):
+        self.inv_freq, self.mscale = inv_freq_and_scale(head_dim, theta, scaling, deepseek)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,8 +57,31 @@ def rope_scaling_of(tc) -> dict | None:
     return {k: v for k, v in dict(rs).items() if k != "rope_theta"}
 
 
+def mla_dims_for(tc, heads: int) -> dict[str, int]:
+    """The MLA draft's attention dims: an MLA target's own (Kimi-K2.5: q_lora 1536, kv_lora 512, nope
+    128, rope 64, v 128, as lightseekorg's MLA draft), else DeepSeek-V2's proportions of the target's
+    head dim (q_lora 12x, kv_lora 4x, nope 1x, rope 1/2x, v 1x)."""
+    own = {
+        k: getattr(tc, k, None)
+        for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    }
+    if all(own.values()):
+        return {k: int(v) for k, v in own.items()}
+    hd = tc.hidden_size // heads
+    rope = max(2, hd // 2 // 2 * 2)  # even: rotary pairs
+    return {
+        "q_lora_rank": 12 * hd,
+        "kv_lora_rank": 4 * hd,
+        "qk_nope_head_dim": hd,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": hd,
+    }
+
+
 def draft_config_for(tc, cfg) -> DraftConfig:
     """Draft shapes from the target's text config (overridable in cfg); see eagle3.md."""
+    if getattr(cfg, "draft_arch", "llama") == "mla":
+        return _mla_draft_config(tc, cfg)
     target_heads = cfg.num_attention_heads or tc.num_attention_heads
     heads, head_dim = served_heads(tc.hidden_size, target_heads)
     if (heads, head_dim) != (target_heads, tc.hidden_size // target_heads):
@@ -70,13 +93,16 @@ def draft_config_for(tc, cfg) -> DraftConfig:
     kv = cfg.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or target_heads
     if heads % kv:
         kv = heads  # the target's kv grouping does not divide the served head count: no grouping
-    rope = getattr(tc, "rope_parameters", None) or {}
     return DraftConfig(
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, **_common(tc, cfg)
+    )
+
+
+def _common(tc, cfg) -> dict:
+    rope = getattr(tc, "rope_parameters", None) or {}
+    return dict(
         hidden_size=tc.hidden_size,
         intermediate_size=cfg.intermediate_size or tc.intermediate_size,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
         rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
         rope_theta=float(getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)),
         max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
@@ -84,6 +110,21 @@ def draft_config_for(tc, cfg) -> DraftConfig:
         draft_vocab_size=cfg.draft_vocab_size,
         target_hidden_size=tc.hidden_size,
         rope_scaling=rope_scaling_of(tc),
+    )
+
+
+def _mla_draft_config(tc, cfg) -> DraftConfig:
+    """The MLA draft: the target's heads (the MLA attention backend has no head-dim limit of the Llama
+    draft's kinds) and MLA dims (mla_dims_for)."""
+    heads = cfg.num_attention_heads or tc.num_attention_heads
+    dims = mla_dims_for(tc, heads)
+    return DraftConfig(
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
+        draft_arch="mla",
+        **dims,
+        **_common(tc, cfg),
     )
 
 
@@ -112,11 +153,17 @@ class DraftTrainer:
                 embed_weight.to(ctx.device, self.draft.embed_tokens.weight.dtype)
             )
         attn = getattr(cfg, "attention", "auto")
+        fits = flexattn.fits(torch.bfloat16 if self.bf16 else torch.float32, dc.head_dim)
         if attn == "auto":
-            attn = "flex" if flexattn.available(ctx.device) else "eager"
+            attn = "flex" if flexattn.available(ctx.device) and fits else "eager"
         if attn == "flex" and not flexattn.available(ctx.device):
             raise ValueError(
                 f"attention flex: needs CUDA and torch>=2.5 (device {ctx.device}); allowed here: eager"
+            )
+        if attn == "flex" and not fits:
+            raise ValueError(
+                f"attention flex: fp32 parameters with qk head dim {dc.head_dim} exceed the flex kernel's shared "
+                "memory; set bf16: true (the default) or attention: eager"
             )
         self.draft.set_attention(attn)
         self.ttt = TTTModule(self.draft, cfg.ttt_length, cfg.ttt_decay)
