@@ -29,30 +29,13 @@ _CALL = re.compile(
 _CALL_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w\.]+):(?P<index>\d+)$")
 
 
-def message_dict(m: Message) -> dict:
-    """A Message as the OpenAI-style dict both the chat API and HF chat templates take."""
-    d: dict = {"role": m.role, "content": m.content}
-    if m.reasoning_content is not None:
-        d["reasoning_content"] = m.reasoning_content
-    if m.tool_calls:
-        d["tool_calls"] = [
-            {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-            for tc in m.tool_calls
-        ]
-    if m.name is not None:
-        d["name"] = m.name
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    return d
-
-
 def prompt_ids(
     tokenizer, messages: list[Message], tools: tuple[dict, ...] | None, *, thinking: bool
 ) -> list[int]:
     """input_ids of the generation prompt, through the tokenizer's own template (add_generation_prompt)."""
     try:
         out = tokenizer.apply_chat_template(
-            [message_dict(m) for m in messages],
+            [m.to_dict("template") for m in messages],
             tools=list(tools) if tools else None,
             add_generation_prompt=True,
             tokenize=True,

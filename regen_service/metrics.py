@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+from schemas.rows import OutputRow
+
 ROWS_FINISHED = Counter(
     "regen_rows_finished_total",
     "Prompts finished by this worker, by outcome (answered, reused, passthrough, error class)",
@@ -17,14 +19,14 @@ SHARDS_FINISHED = Counter("regen_shards_finished_total", "Output shards this wor
 SHARDS_IN_PROGRESS = Gauge("regen_shards_in_progress", "Shards this worker holds right now")
 
 
-def row_outcome(row: dict) -> str:
-    if row.get("error_class"):
-        return row["error_class"]
-    if row.get("reused_from"):
+def row_outcome(row: OutputRow) -> str:
+    if row.error_class:
+        return row.error_class
+    if row.reused_from:
         return "reused"
-    return "passthrough" if not row.get("turns") else "answered"
+    return "passthrough" if not row.turns else "answered"
 
 
-def count_row(row: dict) -> None:
+def count_row(row: OutputRow) -> None:
     ROWS_FINISHED.labels(row_outcome(row)).inc()
-    ROW_TOKENS.inc(row.get("completion_tokens") or 0)
+    ROW_TOKENS.inc(row.completion_tokens or 0)

@@ -81,21 +81,7 @@ def _raw_text(raw) -> str:
 def _row(source: str, index: int, n: Normalized, prompt_id: str) -> dict:
     """A PROMPT_SCHEMA row built directly (no PromptRecord round trip: it dominated the profile)."""
     conv = n.conversation
-    messages = None
-    if conv is not None:
-        messages = [
-            {
-                "role": m.role,
-                "content": m.content,
-                "reasoning_content": m.reasoning_content,
-                "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
-                if m.tool_calls is not None
-                else None,
-                "name": m.name,
-                "tool_call_id": m.tool_call_id,
-            }
-            for m in conv.messages
-        ]
+    messages = [m.to_dict("arrow") for m in conv.messages] if conv is not None else None
     return {
         "prompt_id": prompt_id,
         "source": source,

@@ -1,4 +1,4 @@
-"""Regenerator: one prompt record in, one OUTPUT_SCHEMA row out, every answer from the target.
+"""Regenerator: one prompt record in, one OutputRow (schemas.rows) out, every answer from the target.
 
 `turns: all` answers each assistant turn in order, every request carrying the target's own earlier
 answers (the dataset's are replaced); `turns: last` answers only the final one. A conversation that
@@ -26,20 +26,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from regen_service.chat_template import (
-    loss_mask_for,
-    message_dict,
-    parse_tool_calls,
-    prompt_ids,
-    split_thinking,
-)
+from regen_service.chat_template import loss_mask_for, parse_tool_calls, prompt_ids, split_thinking
 from regen_service.client.auth import scrub_secrets
 from regen_service.client.http import Completion
 from regen_service.client.pool import EndpointPool
 from regen_service.errors import ConfigError, RetriesExhaustedError, RowTerminalError
-from regen_service.rows import message_to_arrow, tools_to_json
+from regen_service.rows import tools_to_json
 from schemas.conversation import Message, PromptRecord
 from schemas.mix import MixSpec
+from schemas.rows import OutputRow, Turn
 
 
 class Regenerator:
@@ -83,7 +78,7 @@ class Regenerator:
             ids = None
             payload = {
                 "model": self.mix.target.model,
-                "messages": [message_dict(m) for m in history],
+                "messages": [m.to_dict("template") for m in history],
                 **self._sampling(),
                 "max_completion_tokens": s.max_new_tokens,
                 "separate_reasoning": True,
@@ -119,18 +114,17 @@ class Regenerator:
             assistants.append(len(messages))  # a new turn, appended
         return set(assistants) if self.mix.regenerate.turns == "all" else {assistants[-1]}
 
-    async def regenerate(self, record: PromptRecord) -> dict:
+    async def regenerate(self, record: PromptRecord) -> OutputRow:
         row = self._base(record)
         if record.input_ids is not None:
-            row.update(
-                input_ids=list(record.input_ids), loss_mask=list(record.loss_mask), turns=[], messages=None
-            )
+            row.input_ids, row.loss_mask = list(record.input_ids), list(record.loss_mask)
+            row.turns = []
             return row
         conv = record.conversation
         messages = list(conv.messages)
         targets = self._targets(messages)
         history: list[Message] = []
-        turns: list[dict] = []
+        turns: list[Turn] = []
         outputs: list[list[int]] = []
         prompts: list[list[int] | None] = []  # per turn: the prompt ids it was generated from
         last_ids: list[int] | None = None
@@ -159,82 +153,78 @@ class Regenerator:
                     break  # the target's turn and the dataset's continuation disagree: stop here
                 history.extend(_repoint(tools_after, msg))
         except RowTerminalError as e:
-            row.update(error=scrub_secrets(str(e)), error_class="terminal_row")
+            row.error, row.error_class = scrub_secrets(str(e)), "terminal_row"
         except RetriesExhaustedError as e:
-            row.update(error=scrub_secrets(str(e)), error_class="retries_exhausted")
+            row.error, row.error_class = scrub_secrets(str(e)), "retries_exhausted"
         self._finish(row, history, turns, outputs, last_ids, time.monotonic() - t0)
         _attach_prompts(row, turns, prompts)
         return row
 
     # --- row ---------------------------------------------------------------------------------
-    def _base(self, record: PromptRecord) -> dict:
-        return {
-            "prompt_id": record.prompt_id,
-            "source": record.source,
-            "row_index": record.row_index,
-            "model": self.mix.target.model,
-            "api": self.api,
-            "sampling_hash": self._sampling_hash,
-            "regen_key": self._regen_key,
-            "tools": tools_to_json(record.conversation.tools) if record.conversation else None,
-            "error": None,
-            "error_class": None,
-            "attempts": 0,
-        }
+    def _base(self, record: PromptRecord) -> OutputRow:
+        return OutputRow(
+            prompt_id=record.prompt_id,
+            source=record.source,
+            row_index=record.row_index,
+            model=self.mix.target.model,
+            api=self.api,
+            sampling_hash=self._sampling_hash,
+            regen_key=self._regen_key,
+            tools=tools_to_json(record.conversation.tools) if record.conversation else None,
+            attempts=0,
+        )
 
     @staticmethod
-    def _turn(index: int, c: Completion) -> dict:
-        return {
-            "message_index": index,
-            "text": c.text,
-            "output_ids": list(c.output_ids) if c.output_ids is not None else None,
-            "finish_reason": c.finish_reason,
-            "prompt_tokens": c.prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "ttft_s": c.ttft_s,
-            "decode_tok_s": c.decode_tok_s,
-            "latency_s": c.latency_s,
-            "endpoint": c.endpoint,
-            "attempts": c.attempts,
-        }
+    def _turn(index: int, c: Completion) -> Turn:
+        return Turn(
+            message_index=index,
+            text=c.text,
+            output_ids=list(c.output_ids) if c.output_ids is not None else None,
+            finish_reason=c.finish_reason,
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            ttft_s=c.ttft_s,
+            decode_tok_s=c.decode_tok_s,
+            latency_s=c.latency_s,
+            endpoint=c.endpoint,
+            attempts=c.attempts,
+        )
 
-    def _finish(self, row, history, turns, outputs, last_ids, elapsed_s: float) -> None:
-        speeds = [t["decode_tok_s"] for t in turns if t["decode_tok_s"] is not None]
+    def _finish(
+        self, row: OutputRow, history, turns: list[Turn], outputs, last_ids, elapsed_s: float
+    ) -> None:
+        speeds = [t.decode_tok_s for t in turns if t.decode_tok_s is not None]
         if self.thinking == "strip":
-            answered = {t["message_index"] for t in turns}
+            answered = {t.message_index for t in turns}
             history = [
                 m.model_copy(update={"reasoning_content": None}) if i in answered else m
                 for i, m in enumerate(history)
             ]
-        row.update(
-            messages=[message_to_arrow(m) for m in history],
-            turns=turns,
-            finish_reason=turns[-1]["finish_reason"] if turns else None,
-            # summed over turns: tokens the target processed and produced for this row
-            prompt_tokens=sum(t["prompt_tokens"] or 0 for t in turns),
-            completion_tokens=sum(t["completion_tokens"] or 0 for t in turns),
-            endpoint=turns[-1]["endpoint"] if turns else None,
-            attempts=sum(t["attempts"] for t in turns),
-            latency_s=elapsed_s,
-            ttft_s=turns[0]["ttft_s"] if turns else None,
-            decode_tok_s=sum(speeds) / len(speeds) if speeds else None,
-            input_ids=None,
-            loss_mask=None,
-        )
+        row.messages = tuple(history)
+        row.turns = turns
+        row.finish_reason = turns[-1].finish_reason if turns else None
+        # summed over turns: tokens the target processed and produced for this row
+        row.prompt_tokens = sum(t.prompt_tokens or 0 for t in turns)
+        row.completion_tokens = sum(t.completion_tokens or 0 for t in turns)
+        row.endpoint = turns[-1].endpoint if turns else None
+        row.attempts = sum(t.attempts for t in turns)
+        row.latency_s = elapsed_s
+        row.ttft_s = turns[0].ttft_s if turns else None
+        row.decode_tok_s = sum(speeds) / len(speeds) if speeds else None
+        row.input_ids = row.loss_mask = None
         if last_ids is not None and outputs:
-            row["input_ids"] = last_ids + outputs[-1]
-            row["loss_mask"] = loss_mask_for(last_ids, outputs[-1], outputs[:-1])
+            row.input_ids = last_ids + outputs[-1]
+            row.loss_mask = loss_mask_for(last_ids, outputs[-1], outputs[:-1])
 
 
-def _attach_prompts(row: dict, turns: list[dict], prompts: list[list[int] | None]) -> None:
+def _attach_prompts(row: OutputRow, turns: list[Turn], prompts: list[list[int] | None]) -> None:
     """Each generate turn's exact prompt: its length, and its ids where they are not a prefix of the
     row's input_ids (an earlier turn whose later re-rendering changed, e.g. dropped its thinking)."""
-    final = row.get("input_ids") or []
+    final = row.input_ids or []
     for turn, ids in zip(turns, prompts, strict=True):
-        if ids is None:
-            turn.update(prompt_len=None, prompt_ids=None)
-            continue
-        turn.update(prompt_len=len(ids), prompt_ids=None if final[: len(ids)] == ids else ids)
+        if ids is not None:
+            turn.prompt_len = len(ids)
+            turn.prompt_ids = None if final[: len(ids)] == ids else ids
 
 
 def _repoint(tool_msgs: list[Message], call_msg: Message) -> list[Message]:

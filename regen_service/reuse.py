@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from regen_service.runinfo import done_shards_in_storage, load_manifest
 from regen_service.storage import RunLayout, Storage
 from schemas.records import RunManifest
+from schemas.rows import OutputRow, output_rows
 
 REUSE_SCHEMA = pa.schema([("prompt_id", pa.string()), ("from_run", pa.string()), ("from_shard", pa.int32())])
 
@@ -56,7 +57,7 @@ def plan_reuse(storage: Storage, manifest: RunManifest) -> int:
     return len(rows)
 
 
-def reused_rows(layout: RunLayout, prompt_ids: set[str]) -> dict[str, dict]:
+def reused_rows(layout: RunLayout, prompt_ids: set[str]) -> dict[str, OutputRow]:
     """Rows to copy for this shard's prompts, keyed by prompt id, marked with the run they came from."""
     storage = layout.storage
     path = reuse_path(layout)
@@ -66,11 +67,11 @@ def reused_rows(layout: RunLayout, prompt_ids: set[str]) -> dict[str, dict]:
     by_source: dict[tuple[str, int], set[str]] = {}
     for r in plan:
         by_source.setdefault((r["from_run"], r["from_shard"]), set()).add(r["prompt_id"])
-    out: dict[str, dict] = {}
+    out: dict[str, OutputRow] = {}
     for (run, sid), wanted in by_source.items():
         table = storage.read_table(RunLayout(storage, run).output_shard(sid))
-        for row in table.filter(pc.is_in(table["prompt_id"], pa.array(sorted(wanted)))).to_pylist():
-            row["run_id"] = layout.run_id
-            row["reused_from"] = run
-            out[row["prompt_id"]] = row
+        for row in output_rows(table.filter(pc.is_in(table["prompt_id"], pa.array(sorted(wanted))))):
+            row.run_id = layout.run_id
+            row.reused_from = run
+            out[row.prompt_id] = row
     return out

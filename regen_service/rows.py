@@ -1,4 +1,8 @@
-"""Conversion between the pydantic records of `schemas` and the pyarrow tables written to storage."""
+"""Prompt shards <-> PromptRecords, and the `tools` column's JSON.
+
+Messages convert through schemas.conversation.Message.to_dict/from_dict and output rows through
+schemas.rows (OutputRow); this module only adds the prompt shard's table on top of them.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +11,8 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-from schemas.conversation import Conversation, Message, PromptRecord, ToolCall
-from schemas.tables import OUTPUT_SCHEMA, PROMPT_SCHEMA
-
-
-def message_to_arrow(m: Message) -> dict:
-    return {
-        "role": m.role,
-        "content": m.content,
-        "reasoning_content": m.reasoning_content,
-        "tool_calls": [tc.model_dump() for tc in m.tool_calls] if m.tool_calls is not None else None,
-        "name": m.name,
-        "tool_call_id": m.tool_call_id,
-    }
-
-
-def message_from_arrow(d: dict) -> Message:
-    tcs = d.get("tool_calls")
-    return Message(
-        role=d["role"],
-        content=d.get("content") or "",
-        reasoning_content=d.get("reasoning_content"),
-        tool_calls=tuple(ToolCall(**tc) for tc in tcs) if tcs is not None else None,
-        name=d.get("name"),
-        tool_call_id=d.get("tool_call_id"),
-    )
+from schemas.conversation import Conversation, Message, PromptRecord
+from schemas.tables import PROMPT_SCHEMA
 
 
 def tools_to_json(tools: tuple[dict, ...] | None) -> str | None:
@@ -51,7 +32,7 @@ def prompts_to_table(records: Iterable[PromptRecord]) -> pa.Table:
                 "prompt_id": r.prompt_id,
                 "source": r.source,
                 "row_index": r.row_index,
-                "messages": [message_to_arrow(m) for m in conv.messages] if conv else None,
+                "messages": [m.to_dict("arrow") for m in conv.messages] if conv else None,
                 "tools": tools_to_json(conv.tools) if conv else None,
                 "input_ids": r.input_ids,
                 "loss_mask": r.loss_mask,
@@ -67,7 +48,7 @@ def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
         conv = None
         if d["messages"] is not None:
             conv = Conversation(
-                messages=tuple(message_from_arrow(m) for m in d["messages"]),
+                messages=tuple(Message.from_dict(m) for m in d["messages"]),
                 tools=tools_from_json(d["tools"]),
             )
         out.append(
@@ -82,8 +63,3 @@ def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
             )
         )
     return out
-
-
-def outputs_to_table(rows: list[dict]) -> pa.Table:
-    """Rows are plain dicts with OUTPUT_SCHEMA's column names (missing ones become null)."""
-    return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)

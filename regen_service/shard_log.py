@@ -18,8 +18,8 @@ import uuid
 
 import pyarrow as pa
 
-from regen_service.rows import outputs_to_table
 from regen_service.storage import RunLayout
+from schemas.rows import OutputRow, output_rows, output_table
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,11 @@ class ShardLog:
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self._fd: int | None = None
-        self._buffer: list[dict] = []
+        self._buffer: list[OutputRow] = []
         self._last_flush = time.monotonic()
 
     # --- reading ------------------------------------------------------------------------------------
-    def load(self) -> dict[str, dict]:
+    def load(self) -> dict[str, OutputRow]:
         """Rows already made durable by any holder of this shard, by prompt id (first one wins)."""
         done: dict[str, dict] = {}
         for path in self.storage.ls(self.dir):
@@ -55,32 +55,35 @@ class ShardLog:
             if name.endswith(".jsonl"):
                 rows = self._read_log(path)
             elif name.endswith(".parquet"):
-                rows = self.storage.read_table(path).to_pylist()
+                rows = output_rows(self.storage.read_table(path))
             else:
                 continue
             for row in rows:
-                done.setdefault(row["prompt_id"], row)
+                done.setdefault(row.prompt_id, row)
         return done
 
-    def _read_log(self, path: str) -> list[dict]:
+    def _read_log(self, path: str) -> list[OutputRow]:
         rows = []
         for i, line in enumerate(self.storage.read_bytes(path).splitlines()):
             try:
-                rows.append(json.loads(line))
+                rows.append(OutputRow.from_record(json.loads(line)))
             except ValueError:
                 # A line torn by a kill mid-write: that prompt was in flight and will be asked again.
                 log.warning("dropping torn line %d of %s", i, path)
         return rows
 
     # --- writing ------------------------------------------------------------------------------------
-    def append(self, row: dict) -> None:
+    def append(self, row: OutputRow) -> None:
         if self.storage.is_local:
             if self._fd is None:
                 self.storage.makedirs(self.dir)
                 self._fd = os.open(
                     f"{self.dir}/{self.owner}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
                 )
-            os.write(self._fd, (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode())
+            os.write(
+                self._fd,
+                (json.dumps(row.to_record(), ensure_ascii=False, separators=(",", ":")) + "\n").encode(),
+            )
             return
         self._buffer.append(row)
         if (
@@ -92,7 +95,7 @@ class ShardLog:
     def flush(self) -> None:
         if not self._buffer:
             return
-        table: pa.Table = outputs_to_table(self._buffer)
+        table: pa.Table = output_table(self._buffer)
         self.storage.write_table_atomic(f"{self.dir}/part-{self.owner}-{uuid.uuid4().hex[:8]}.parquet", table)
         self._buffer = []
         self._last_flush = time.monotonic()

@@ -23,13 +23,14 @@ from regen_service.errors import EndpointTerminalError, LeaseLostError
 from regen_service.ledger import Ledger
 from regen_service.metrics import SHARDS_FINISHED, SHARDS_IN_PROGRESS, count_row
 from regen_service.reuse import reused_rows
-from regen_service.rows import outputs_to_table, prompts_from_table
+from regen_service.rows import prompts_from_table
 from regen_service.runinfo import load_run_mix
 from regen_service.runtime import WorkerRuntime
 from regen_service.shard_log import ShardLog
 from regen_service.storage import RunLayout, Storage
 from schemas.conversation import PromptRecord
 from schemas.records import ShardDoneEvent
+from schemas.rows import OutputRow, output_rows, output_table
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class ShardOutcome:
 class Progress:
     """What is durable of one shard: its rows by prompt id, and the counts the ledger shows per source."""
 
-    rows: dict[str, dict]
+    rows: dict[str, OutputRow]
     by_source: Counter = field(default_factory=Counter)
     failed_by_source: Counter = field(default_factory=Counter)
     tokens_by_source: Counter = field(default_factory=Counter)
@@ -65,15 +66,15 @@ class Progress:
     def tokens(self) -> int:
         return sum(self.tokens_by_source.values())
 
-    def add(self, row: dict, *, new: bool) -> None:
-        self.rows[row["prompt_id"]] = row
-        self.by_source[row["source"]] += 1
-        if row.get("error"):
-            self.failed_by_source[row["source"]] += 1
-        tok = row.get("completion_tokens") or 0
-        self.tokens_by_source[row["source"]] += tok
+    def add(self, row: OutputRow, *, new: bool) -> None:
+        self.rows[row.prompt_id] = row
+        self.by_source[row.source] += 1
+        if row.error:
+            self.failed_by_source[row.source] += 1
+        tok = row.completion_tokens or 0
+        self.tokens_by_source[row.source] += tok
         if new:
-            self.unreported_by_source[row["source"]] += tok
+            self.unreported_by_source[row.source] += tok
 
 
 def owner_token(hostname: str | None = None) -> str:
@@ -130,7 +131,7 @@ def record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: Progress) 
 def mark_done_from_file(ledger: Ledger, layout: RunLayout, shard_id: int) -> ShardDoneEvent:
     """The output file exists (it is the completion marker): make the ledger agree, idempotently."""
     table = layout.storage.read_table(layout.output_shard(shard_id))
-    rows = table.select(["prompt_id", "source", "error", "completion_tokens"]).to_pylist()
+    rows = output_rows(table.select(["prompt_id", "source", "error", "completion_tokens"]))
     prog = Progress(rows={})
     for r in rows:
         prog.add(r, new=False)
@@ -180,7 +181,7 @@ def process_shard(
         )
         prog = Progress(rows={})
         if redo_errors and storage.exists(layout.output_shard(shard_id)):
-            prior = storage.read_table(layout.output_shard(shard_id)).to_pylist()
+            prior = output_rows(storage.read_table(layout.output_shard(shard_id)))
             for row in prior:
                 if not _should_redo(row, redo_errors):
                     prog.add(row, new=False)
@@ -219,7 +220,7 @@ def process_shard(
             raise RuntimeError(f"shard {shard_id}: {len(records) - len(ordered)} prompts have no row")
         if not ledger.extend_lease(run_id, shard_id, owner):
             raise LeaseLostError(f"lease on {run_id}/{shard_id} lost before finalizing")
-        storage.write_table_atomic(layout.output_shard(shard_id), outputs_to_table(ordered))
+        storage.write_table_atomic(layout.output_shard(shard_id), output_table(ordered))
         shard_log.remove()
         ev = _announce_done(ledger, layout, shard_id, prog)
         SHARDS_FINISHED.inc()
@@ -239,11 +240,10 @@ def process_shard(
         ledger.release_lease(run_id, shard_id, owner)
 
 
-def _should_redo(row: dict, redo_errors: str) -> bool:
-    cls = row.get("error_class")
-    if not row.get("error"):
+def _should_redo(row: OutputRow, redo_errors: str) -> bool:
+    if not row.error:
         return False
-    return redo_errors == "all" or cls == "retries_exhausted"
+    return redo_errors == "all" or row.error_class == "retries_exhausted"
 
 
 async def _answer_all(
@@ -273,8 +273,7 @@ async def _answer_all(
                 row = await regenerator.regenerate(record)
         if lost.is_set():
             return
-        row["run_id"] = run_id
-        row.setdefault("reused_from", None)
+        row.run_id = run_id
         shard_log.append(row)
         prog.add(row, new=True)
         count_row(row)

@@ -8,6 +8,7 @@ so that any process can read a run's files without pulling in the service.
 from schemas.conversation import (
     Conversation,
     Message,
+    MessageForm,
     PromptRecord,
     Role,
     ToolCall,
@@ -23,6 +24,7 @@ from schemas.mix import (
     load_mix,
 )
 from schemas.records import RunManifest, ShardDoneEvent, SourceStats
+from schemas.rows import OutputRow, Turn, output_rows, output_table
 from schemas.tables import (
     OUTPUT_SCHEMA,
     PROMPT_SCHEMA,
@@ -38,7 +40,9 @@ __all__ = [
     "Conversation",
     "HFSourceSpec",
     "Message",
+    "MessageForm",
     "MixSpec",
+    "OutputRow",
     "PromptRecord",
     "RegenerateSpec",
     "Role",
@@ -49,6 +53,9 @@ __all__ = [
     "SourceStats",
     "TargetSpec",
     "ToolCall",
+    "Turn",
     "compute_prompt_id",
     "load_mix",
+    "output_rows",
+    "output_table",
 ]

@@ -25,7 +25,14 @@ class ToolCall(BaseModel):
     arguments: str = "{}"
 
 
+MessageForm = Literal["arrow", "template"]
+
+
 class Message(BaseModel):
+    """One turn. `to_dict`/`from_dict` are the only conversion to and from plain dicts: the prompt
+    shard, the generation request and the trainer's template input all go through them, so the
+    trainer sees exactly the messages the target saw."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Role
@@ -35,6 +42,57 @@ class Message(BaseModel):
     # For role "tool": the function's name and the id of the call it answers, when the dataset has them.
     name: str | None = None
     tool_call_id: str | None = None
+
+    def to_dict(self, form: MessageForm) -> dict:
+        """This message as a plain dict, in one of two forms that carry the same information:
+
+        - "arrow": a value of schemas.tables.MESSAGE (every key present, None kept, tool calls flat
+          `{id, name, arguments}`), as prompt and output shards store it;
+        - "template": the OpenAI-style dict the chat API and HF chat templates take (None fields and
+          an empty tool-call list left out, since templates test keys for presence; tool calls as
+          `{id, type: "function", function: {name, arguments}}`). Generation requests and the
+          trainer's renderer both use this form.
+        """
+        if form == "arrow":
+            calls = None
+            if self.tool_calls is not None:
+                calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in self.tool_calls]
+            return {
+                "role": self.role,
+                "content": self.content,
+                "reasoning_content": self.reasoning_content,
+                "tool_calls": calls,
+                "name": self.name,
+                "tool_call_id": self.tool_call_id,
+            }
+        if form != "template":
+            raise ValueError(f"unknown message form {form!r}: 'arrow' or 'template'")
+        d: dict = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Message:
+        """A Message from the "arrow" form (a stored MESSAGE value, or its JSON); null content reads as ""."""
+        calls = d.get("tool_calls")
+        return cls(
+            role=d["role"],
+            content=d.get("content") or "",
+            reasoning_content=d.get("reasoning_content"),
+            tool_calls=tuple(ToolCall(**c) for c in calls) if calls is not None else None,
+            name=d.get("name"),
+            tool_call_id=d.get("tool_call_id"),
+        )
 
 
 class Conversation(BaseModel):

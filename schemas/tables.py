@@ -1,7 +1,8 @@
 """pyarrow schemas of the files a run writes: prompt shards, output shards, quarantine.
 
 Every file carries SCHEMA_VERSION in its metadata (key b"regen.schema_version"); readers check it.
-Conversion between these tables and the pydantic records lives in regen_service.rows.
+Output rows are typed in schemas.rows (OutputRow, Turn: fields are these columns); prompt shards
+convert to and from PromptRecords in regen_service.rows.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from regen_service.client.pool import EndpointPool
 from regen_service.regenerate import Regenerator
 from schemas.conversation import Conversation, Message, PromptRecord
 from schemas.mix import MixSpec
+from schemas.rows import OutputRow
 
 MODEL = "moonshotai/Kimi-K2.5"
 REGEN = [sys.executable, "-c", "from regen_service.cli import main; main()"]
@@ -87,7 +88,7 @@ async def drive_direct(urls: list[str], args: argparse.Namespace, faults: bool) 
                 samples.append(pool.inflight / pool.inflight_target)
                 await asyncio.sleep(0.05)
 
-        rows: list[dict] = []
+        rows: list[OutputRow] = []
 
         async def lanes() -> None:
             # keep inflight_target requests outstanding; the target shrinks while an endpoint is ejected
@@ -110,11 +111,11 @@ async def drive_direct(urls: list[str], args: argparse.Namespace, faults: bool) 
         await sampler
         if injector:
             injector.cancel()
-        tokens = sum(r["completion_tokens"] or 0 for r in rows)
-        errors = [r for r in rows if r["error"]]
+        tokens = sum(r.completion_tokens or 0 for r in rows)
+        errors = [r for r in rows if r.error]
         return {"rows": len(rows), "errors": len(errors), "wall_s": round(wall, 2), "output_tokens": tokens,
                 "tok_s": round(tokens / wall, 1), "inflight_over_target": round(sum(samples) / len(samples), 4),
-                "attempts_mean": round(sum(r["attempts"] for r in rows) / len(rows), 3),
+                "attempts_mean": round(sum(r.attempts for r in rows) / len(rows), 3),
                 "endpoints": pool.snapshot()["endpoints"]}  # fmt: skip
 
 

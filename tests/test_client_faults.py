@@ -65,14 +65,15 @@ def fast_config(urls: list[str], **kw) -> PoolConfig:
 
 
 async def run_batch(pool: EndpointPool, regen: Regenerator, records: list[PromptRecord]) -> list[dict]:
-    """What the worker does: keep pool.inflight_target rows outstanding until all are done."""
+    """What the worker does: keep pool.inflight_target rows outstanding until all are done; each row
+    as the shard stores it (OutputRow.to_record)."""
     rows: list[dict | None] = [None] * len(records)
     queue = list(enumerate(records))
 
     async def lane() -> None:
         while queue:
             i, rec = queue.pop()
-            rows[i] = await regen.regenerate(rec)
+            rows[i] = (await regen.regenerate(rec)).to_record()
 
     await asyncio.gather(*(lane() for _ in range(min(pool.inflight_target, len(records)))))
     return rows

@@ -17,6 +17,8 @@ from regen_service.drafter.model import DraftConfig, Eagle3Draft
 from regen_service.drafter.ttt import ttt_loss
 from regen_service.drafter.vocab import build_vocab
 from regen_service.errors import ConfigError
+from schemas.conversation import Message, ToolCall
+from schemas.rows import OutputRow
 
 SGLANG_KEYS = {
     "fc.weight",
@@ -103,18 +105,18 @@ def renderer():
 
 
 def test_chat_template_mask_covers_assistant_turns_with_thinking_and_tools(renderer):
-    tc = [{"id": "c1", "name": "lookup", "arguments": '{"q": 1}'}]
-    msgs = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "old answer", "reasoning_content": "old thoughts"},
-        {"role": "user", "content": "second question"},
-        {"role": "assistant", "content": "calling", "reasoning_content": "new thoughts", "tool_calls": tc},
-        {"role": "tool", "content": "result 42", "tool_call_id": "c1"},
-        {"role": "assistant", "content": "final answer", "reasoning_content": "more thoughts"},
-    ]
+    tc = (ToolCall(id="c1", name="lookup", arguments='{"q": 1}'),)
+    msgs = (
+        Message(role="system", content="be brief"),
+        Message(role="user", content="first question"),
+        Message(role="assistant", content="old answer", reasoning_content="old thoughts"),
+        Message(role="user", content="second question"),
+        Message(role="assistant", content="calling", reasoning_content="new thoughts", tool_calls=tc),
+        Message(role="tool", content="result 42", tool_call_id="c1"),
+        Message(role="assistant", content="final answer", reasoning_content="more thoughts"),
+    )
     ex = renderer.encode(
-        [D._clean_message(m) for m in msgs], [{"type": "function", "function": {"name": "lookup"}}]
+        D.template_messages(OutputRow(messages=msgs)), [{"type": "function", "function": {"name": "lookup"}}]
     )
     tok = renderer.tok
     masked = tok.decode([i for i, m in zip(ex.ids.tolist(), ex.mask.tolist(), strict=True) if m])

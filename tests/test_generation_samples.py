@@ -16,10 +16,10 @@ import pytest
 from regen_service.drafter.data import ChatRenderer, table_examples
 from regen_service.kimi_fixture import build_kimi_fixture
 from regen_service.remote_code import load_tokenizer
-from regen_service.rows import outputs_to_table
 from regen_service.storage import Storage
 from schemas.conversation import Message
 from schemas.mix import MixSpec
+from schemas.rows import OutputRow, output_table
 from tests.procs import sim_server
 from tests.test_client_faults import FAST, MODEL, make_record, regenerate_all
 
@@ -88,7 +88,7 @@ def _tool_records(n: int):
 def _roundtrip(tmp_path, rows):
     storage = Storage(str(tmp_path / "data"))
     path = storage.path("outputs", "shard-00000.parquet")
-    storage.write_table_atomic(path, outputs_to_table(rows))
+    storage.write_table_atomic(path, output_table(OutputRow.from_record(r) for r in rows))
     return storage.read_table(path)
 
 
@@ -175,5 +175,7 @@ def test_rows_written_before_per_turn_prompts_train_as_a_whole(tmp_path):
         "loss_mask": [0, 0, 0, 1, 1],
         "turns": [{"message_index": 1, "output_ids": [4, 5], "text": "x"}],  # no prompt_len
     }
-    examples, stats = table_examples(outputs_to_table([row]), lambda: None, 64, "per_generation")
+    examples, stats = table_examples(
+        output_table([OutputRow.from_record(row)]), lambda: None, 64, "per_generation"
+    )
     assert [e.mask.tolist() for e in examples] == [[0, 0, 0, 1, 1]] and stats["generation_samples"] == 0

@@ -200,7 +200,7 @@ def test_client_side_tokenization_runs_off_the_event_loop(tmp_path):
 
             t = asyncio.create_task(ticker())
             t0 = time.monotonic()
-            row = await Regenerator(pool, mix, tok).regenerate(record)
+            row = (await Regenerator(pool, mix, tok).regenerate(record)).to_record()
             took = time.monotonic() - t0
             stop.set()
             await t

@@ -220,7 +220,7 @@ def test_pretokenized_rows_pass_through_without_a_request():
 
     async def go(url):
         async with EndpointPool(fast_config([url]), MODEL) as pool:
-            return await Regenerator(pool, make_mix()).regenerate(rec)
+            return (await Regenerator(pool, make_mix()).regenerate(rec)).to_record()
 
     with sim_server(*FAST) as url:
         row = asyncio.run(go(url))

@@ -22,6 +22,7 @@ import torch
 
 from regen_service.drafter import samples as S
 from regen_service.errors import ConfigError
+from schemas.rows import OutputRow, output_rows
 
 _SENTINEL = "REGEN_PROBE_9f3b"
 
@@ -120,38 +121,27 @@ class ChatRenderer:
         )
 
 
-def _clean_message(m: dict) -> dict:
-    out = {k: v for k, v in m.items() if v is not None}
-    out["content"] = m.get("content") or ""
-    if m.get("tool_calls"):
-        out["tool_calls"] = [
-            {
-                "id": tc.get("id"),
-                "type": "function",
-                "function": {"name": tc["name"], "arguments": tc["arguments"]},
-            }
-            for tc in m["tool_calls"]
-        ]
-    return out
+def template_messages(row: OutputRow) -> list[dict]:
+    """The chat template's input for a row's conversation: its messages in the same "template" form
+    the generation request was rendered from (schemas.conversation.Message.to_dict)."""
+    return [m.to_dict("template") for m in row.messages or ()]
 
 
-def _row_examples(row: dict, renderer_factory, samples: str, stats: dict) -> list[Example]:
+def _row_examples(row: OutputRow, renderer_factory, samples: str, stats: dict) -> list[Example]:
     """One row -> its examples: per generation (samples.py) where asked and possible, else the row."""
-    tokens = bool(row.get("input_ids")) and row.get("loss_mask") is not None
+    tokens = bool(row.input_ids) and row.loss_mask is not None
     stats["token_rows" if tokens else "template_rows"] += 1
     if tokens:
         pairs = S.token_generations(row) if samples == "per_generation" else None
         if pairs is None:
-            return [
-                Example(torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"], dtype=torch.int64))
-            ]
+            return [Example(torch.tensor(row.input_ids), torch.tensor(row.loss_mask, dtype=torch.int64))]
         stats["generation_samples"] += len(pairs)
         return S.as_examples(pairs, Example)
     renderer = renderer_factory()
-    tools = json.loads(row["tools"]) if row.get("tools") else None
-    messages = [_clean_message(m) for m in row["messages"] or []]
+    tools = json.loads(row.tools) if row.tools else None
+    messages = template_messages(row)
     if samples == "per_generation":
-        pairs = S.template_generations(renderer, messages, tools, row.get("turns") or [])
+        pairs = S.template_generations(renderer, messages, tools, row.turns or [])
         if pairs is not None:
             stats["generation_samples"] += len(pairs)
             return S.as_examples(pairs, Example)
@@ -167,8 +157,8 @@ def table_examples(
     stats["generation_samples"] = 0
     examples = []
     cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns")
-    for row in table.select([c for c in cols if c in table.column_names]).to_pylist():
-        if row.get("error"):
+    for row in output_rows(table.select([c for c in cols if c in table.column_names])):
+        if row.error:
             stats["errors"] += 1
             continue
         for ex in _row_examples(row, renderer_factory, samples, stats):

@@ -18,39 +18,41 @@ from __future__ import annotations
 
 import torch
 
+from schemas.rows import OutputRow, Turn
+
 THINK_END = "</think>"
 
 
-def token_generations(row: dict) -> list[tuple[list[int], list[int]]] | None:
+def token_generations(row: OutputRow) -> list[tuple[list[int], list[int]]] | None:
     """(ids, mask) per api-generate turn from stored ids; None when the row lacks per-turn prompts
     (written before they were stored) or has no generate turns: the caller uses the row as a whole."""
-    turns = [t for t in row.get("turns") or [] if t.get("output_ids") is not None]
-    if not turns or any(t.get("prompt_len") is None for t in turns):
+    turns = [t for t in row.turns or [] if t.output_ids is not None]
+    if not turns or any(t.prompt_len is None for t in turns):
         return None
-    ids = row.get("input_ids") or []
+    ids = row.input_ids or []
     out = []
     for t in turns:
-        prompt = t.get("prompt_ids")
-        prompt = list(prompt) if prompt is not None else list(ids[: t["prompt_len"]])
-        if len(prompt) != t["prompt_len"]:
+        prompt = list(t.prompt_ids) if t.prompt_ids is not None else list(ids[: t.prompt_len])
+        if len(prompt) != t.prompt_len:
             return None  # inconsistent row: do not guess
-        answer = list(t["output_ids"])
+        answer = list(t.output_ids)
         out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     return out
 
 
-def _thinking_on(turn: dict | None, message: dict) -> bool:
+def _thinking_on(turn: Turn, message: dict) -> bool:
     # The raw text of a thinking turn holds `</think>` (chat: reasoning</think>content); a stored
     # reasoning_content says the same when the text is missing.
-    if turn is not None and turn.get("text") is not None:
-        return THINK_END in turn["text"]
+    if turn.text is not None:
+        return THINK_END in turn.text
     return message.get("reasoning_content") is not None
 
 
-def template_generations(renderer, messages: list[dict], tools, turns: list[dict]):
-    """(ids, mask) per regenerated assistant turn of a template-rendered row; None when a turn cannot be
-    aligned with the template (the caller then uses the conversation-level sample)."""
-    by_index = {t.get("message_index"): t for t in turns or []}
+def template_generations(renderer, messages: list[dict], tools, turns: list[Turn]):
+    """(ids, mask) per regenerated assistant turn of a template-rendered row (`messages` in the
+    template form, data.template_messages); None when a turn cannot be aligned with the template (the
+    caller then uses the conversation-level sample)."""
+    by_index = {t.message_index: t for t in turns or []}
     targets = sorted(i for i in by_index if i is not None and 0 <= i < len(messages))
     if not targets:
         return None
