@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
@@ -220,7 +220,8 @@ class Ledger:
 
     # --- shard completion ---------------------------------------------------------------------------
     def mark_shard_done(self, event: ShardDoneEvent) -> bool:
-        """Mark the shard done and append its shard_done event, once. Returns False if it already was."""
+        """Mark the shard done and append its shard_done event, once. Returns False if it already was.
+        Readers parse the entry back with read_shard_done."""
         first = bool(self._mark_done(keys=[self.run_key(event.run_id, "shards")], args=[str(event.shard_id)]))
         if first:
             self.r.xadd(self.events_key(event.run_id), {"type": "shard_done", **_flat(event.model_dump())})
@@ -251,6 +252,15 @@ class Ledger:
         """Seconds until the shard's lease runs out by itself; None when no lease is held."""
         ttl_ms = self.r.pttl(self.lease_key(run_id, shard_id))
         return ttl_ms / 1000 if ttl_ms > 0 else None
+
+
+def read_shard_done(fields: Mapping[str, str]) -> ShardDoneEvent | None:
+    """A stream entry as mark_shard_done wrote it, back as its event; None for an entry of another type.
+    Raises pydantic.ValidationError for a shard_done entry its schema refuses."""
+    if fields.get("type") != "shard_done":
+        return None
+    # _flat stored every non-string as JSON text: the schema's lax mode reads the numbers back.
+    return ShardDoneEvent.model_validate({k: v for k, v in fields.items() if k != "type"})
 
 
 def _sum_by_source(hash_: dict[str, str]) -> dict[str, int]:
