@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from regen_service.ledger import Ledger
+from regen_service.progress import Progress, mark_done_from_file, record_progress
 from regen_service.queue import PRIORITY_RESUME, make_celery, send_shard, waiting_shard_ids
 from regen_service.runinfo import done_shards_in_storage, load_manifest
 from regen_service.settings import Settings
 from regen_service.shard_log import ShardLog
-from regen_service.shard_runner import Progress, mark_done_from_file, record_progress
 from regen_service.storage import RunLayout, Storage
 
 
