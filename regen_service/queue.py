@@ -7,7 +7,7 @@ being acked), prefetch 1 (a worker never hoards shards it is not working on), an
 timeout: a client with a shorter one would requeue everyone's in-flight shards. Leases (ledger) make a
 redelivered duplicate harmless. This module also owns the wire format: what a shard message looks
 like in kombu's Redis lists (`waiting_shard_ids` reads it back). The task bodies live in
-workers/celery_app.py.
+regen_service.worker_app.
 
 Priorities: kombu's Redis transport keeps one list per priority step and pops them in step order, so a
 shard sent with PRIORITY_RESUME (a resumed or re-queued shard of a run already in progress) is taken

@@ -5,7 +5,7 @@ The steps: skip a shard whose output already exists; take the shard's lease (ano
 rest; keep the lease alive with a heartbeat (losing it stops the work before anything final is written);
 append each answered row to the shard log as it finishes; write the final shard atomically in prompt
 order; mark it done in the ledger, which appends the shard_done event once. Talking to endpoints is the
-Regenerator's job; the queue plumbing is workers/celery_app.py's.
+Regenerator's job; the queue plumbing is regen_service.worker_app's.
 """
 
 from __future__ import annotations
