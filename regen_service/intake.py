@@ -105,7 +105,7 @@ class IntakeStep(bootsteps.StartStopStep):
     """A consumer bootstep: once Celery has set up its prefetch count, hand it to the worker's Intake."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
-    intake: Intake | None = None  # set by workers.celery_app before the worker starts
+    intake: Intake | None = None  # set by regen_service.worker_app before the worker starts
 
     def start(self, c) -> None:
         if self.intake is not None and c.qos is not None:

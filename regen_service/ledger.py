@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import redis
 
@@ -43,6 +44,19 @@ _MARK_DONE = (
     "if redis.call('hget', KEYS[1], ARGV[1]) == 'done' then return 0 end "
     "redis.call('hset', KEYS[1], ARGV[1], 'done') return 1"
 )
+
+
+@dataclass(frozen=True)
+class RunCounters:
+    """A run's per-shard counters added up, for status: states by shard, totals, totals by source."""
+
+    shard_states: dict[int, str]
+    prompts_done: int
+    prompts_failed: int
+    tokens: int
+    done_by_source: dict[str, int]
+    failed_by_source: dict[str, int]
+    tokens_by_source: dict[str, int]
 
 
 def connect(settings: Settings) -> redis.Redis:
@@ -153,6 +167,22 @@ class Ledger:
                 pipe.hset(self.run_key(run_id, suffix), mapping={f"{sid}|{k}": v for k, v in values.items()})
         pipe.execute()
 
+    def run_counters(self, run_id: str) -> RunCounters:
+        """Every progress counter of a run, summed over its shards, read in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for suffix in ("shards", "progress", "failed", "tokens", "srcdone", "srcfailed", "srctokens"):
+            pipe.hgetall(self.run_key(run_id, suffix))
+        shards, progress, failed, tokens, srcdone, srcfailed, srctokens = pipe.execute()
+        return RunCounters(
+            shard_states={int(k): v for k, v in shards.items()},
+            prompts_done=sum(int(v) for v in progress.values()),
+            prompts_failed=sum(int(v) for v in failed.values()),
+            tokens=sum(int(v) for v in tokens.values()),
+            done_by_source=_sum_by_source(srcdone),
+            failed_by_source=_sum_by_source(srcfailed),
+            tokens_by_source=_sum_by_source(srctokens),
+        )
+
     def add_rate_tokens(self, run_id: str, per_source: dict[str, int], now: float | None = None) -> None:
         """Feed the tokens/s figures (fields "<second>" and "<second>|<source>"); a rate, not a total, so
         a redo after a crash only blips it."""
@@ -190,7 +220,8 @@ class Ledger:
 
     # --- shard completion ---------------------------------------------------------------------------
     def mark_shard_done(self, event: ShardDoneEvent) -> bool:
-        """Mark the shard done and append its shard_done event, once. Returns False if it already was."""
+        """Mark the shard done and append its shard_done event, once. Returns False if it already was.
+        Readers parse the entry back with read_shard_done."""
         first = bool(self._mark_done(keys=[self.run_key(event.run_id, "shards")], args=[str(event.shard_id)]))
         if first:
             self.r.xadd(self.events_key(event.run_id), {"type": "shard_done", **_flat(event.model_dump())})
@@ -216,6 +247,28 @@ class Ledger:
 
     def lease_holder(self, run_id: str, shard_id: int) -> str | None:
         return self.r.get(self.lease_key(run_id, shard_id))
+
+    def lease_left_s(self, run_id: str, shard_id: int) -> float | None:
+        """Seconds until the shard's lease runs out by itself; None when no lease is held."""
+        ttl_ms = self.r.pttl(self.lease_key(run_id, shard_id))
+        return ttl_ms / 1000 if ttl_ms > 0 else None
+
+
+def read_shard_done(fields: Mapping[str, str]) -> ShardDoneEvent | None:
+    """A stream entry as mark_shard_done wrote it, back as its event; None for an entry of another type.
+    Raises pydantic.ValidationError for a shard_done entry its schema refuses."""
+    if fields.get("type") != "shard_done":
+        return None
+    # _flat stored every non-string as JSON text: the schema's lax mode reads the numbers back.
+    return ShardDoneEvent.model_validate({k: v for k, v in fields.items() if k != "type"})
+
+
+def _sum_by_source(hash_: dict[str, str]) -> dict[str, int]:
+    """Fields "<shard>|<source>" summed per source."""
+    out: dict[str, int] = defaultdict(int)
+    for k, v in hash_.items():
+        out[k.split("|", 1)[1]] += int(v)
+    return dict(out)
 
 
 def _flat(d: dict) -> dict[str, str]:

@@ -4,7 +4,7 @@ A worker refreshes `{prefix}:worker:{node}` every heartbeat with its state ("con
 "no_endpoint" with the reason and since when); the key expires after a few missed heartbeats, so a
 dead worker disappears by itself (a sorted set lists the keys, so nothing scans the keyspace). `regen status` reads them to say "no live consumer" instead of
 showing a run that silently makes no progress. What a worker does about a missing endpoint is
-workers/celery_app.py's.
+regen_service.worker_app's.
 """
 
 from __future__ import annotations

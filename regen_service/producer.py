@@ -17,7 +17,7 @@ from regen_service.prepare import prepare_run, run_id_for
 from regen_service.queue import PRIORITY_RESUME, make_celery, send_shard
 from regen_service.remote_code import require_opt_in
 from regen_service.reuse import plan_reuse
-from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict, resolved_mix_path
+from regen_service.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict
 from regen_service.settings import Settings
 from regen_service.storage import RunLayout, Storage
 from schemas.mix import load_mix
@@ -51,7 +51,7 @@ def prepare_or_load(
     layout = RunLayout(storage, run_id)
     if storage.exists(layout.manifest_path):
         return layout, load_manifest(layout)
-    storage.write_json_atomic(resolved_mix_path(layout), resolved_mix_dict(mix))
+    storage.write_json_atomic(layout.resolved_mix_path, resolved_mix_dict(mix))
     manifest = prepare_run(mix, storage, run_id, Path(mix_path).read_text(encoding="utf-8"))
     if reuse:
         # Planned before anything is queued; recorded in the manifest copy that status and resume read.

@@ -5,7 +5,9 @@ they agree on what matters for exactly-once (celery#5935, #3430, #5306): JSON on
 `acks_late` with `task_reject_on_worker_lost` (a killed worker's shard goes back to the queue instead of
 being acked), prefetch 1 (a worker never hoards shards it is not working on), and ONE visibility
 timeout: a client with a shorter one would requeue everyone's in-flight shards. Leases (ledger) make a
-redelivered duplicate harmless. The task bodies live in workers/celery_app.py.
+redelivered duplicate harmless. This module also owns the wire format: what a shard message looks
+like in kombu's Redis lists (`waiting_shard_ids` reads it back). The task bodies live in
+regen_service.worker_app.
 
 Priorities: kombu's Redis transport keeps one list per priority step and pops them in step order, so a
 shard sent with PRIORITY_RESUME (a resumed or re-queued shard of a run already in progress) is taken
@@ -14,6 +16,10 @@ before every PRIORITY_NEW shard of a run just enqueued; within one step the queu
 
 from __future__ import annotations
 
+import base64
+import json
+
+import redis
 from celery import Celery
 from kombu import Queue
 
@@ -95,3 +101,23 @@ def send_shard(
         priority=priority,
     )
     return res.id
+
+
+def waiting_shard_ids(settings: Settings, client: redis.Redis, run_id: str) -> set[int]:
+    """Shards of this run with a message waiting in the queue's Redis lists (kombu's envelope: JSON,
+    the body base64 when body_encoding says so, the task's args first). Messages this regen did not
+    write are skipped. Delivered-but-unacked messages are not in these lists, so they do not count."""
+    found: set[int] = set()
+    for key in queue_keys(settings):
+        for item in client.lrange(key, 0, -1):
+            try:
+                msg = json.loads(item)
+                body = msg["body"]
+                if msg.get("properties", {}).get("body_encoding") == "base64":
+                    body = base64.b64decode(body)
+                args = json.loads(body)[0]
+            except (ValueError, KeyError, IndexError, TypeError):
+                continue
+            if len(args) >= 2 and args[0] == run_id:
+                found.add(int(args[1]))
+    return found

@@ -9,17 +9,16 @@ rows that exhausted their retries (terminal errors too with include_terminal) to
 
 from __future__ import annotations
 
-import base64
-import json
 from dataclasses import asdict, dataclass, field
 
 from regen_service.ledger import Ledger
-from regen_service.queue import PRIORITY_RESUME, make_celery, queue_keys, send_shard
+from regen_service.progress import Progress, mark_done_from_file, record_progress
+from regen_service.queue import PRIORITY_RESUME, make_celery, send_shard, waiting_shard_ids
 from regen_service.runinfo import done_shards_in_storage, load_manifest
 from regen_service.settings import Settings
 from regen_service.shard_log import ShardLog
-from regen_service.shard_runner import Progress, mark_done_from_file, record_progress
 from regen_service.storage import RunLayout, Storage
+from schemas.rows import output_rows
 
 
 @dataclass
@@ -35,28 +34,6 @@ class ResumeResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def queued_shard_ids(settings: Settings, ledger: Ledger, run_id: str) -> set[int]:
-    """Shards of this run with a message waiting in the queue.
-
-    Delivered-but-unacked messages do not count: without a live lease their holder is dead, and the
-    message would only come back after the visibility timeout. Sending another is harmless (leases).
-    """
-    raw = [item for key in queue_keys(settings) for item in ledger.r.lrange(key, 0, -1)]
-    found: set[int] = set()
-    for item in raw:
-        try:
-            msg = json.loads(item)
-            body = msg["body"]
-            if msg.get("properties", {}).get("body_encoding") == "base64":
-                body = base64.b64decode(body)
-            args = json.loads(body)[0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            continue
-        if len(args) >= 2 and args[0] == run_id:
-            found.add(int(args[1]))
-    return found
 
 
 def restore_ledger(settings: Settings, ledger: Ledger, layout: RunLayout) -> tuple[set[int], bool]:
@@ -89,7 +66,9 @@ def resume_run(settings: Settings, run_id: str) -> ResumeResult:
     done, rebuilt = restore_ledger(settings, ledger, layout)
     manifest = load_manifest(layout)
     result = ResumeResult(run_id, manifest.num_shards, len(done), ledger_rebuilt=rebuilt)
-    queued = queued_shard_ids(settings, ledger, run_id)
+    # Delivered-but-unacked messages do not count: without a live lease their holder is dead, and the
+    # message would only come back after the visibility timeout. Sending another is harmless (leases).
+    queued = waiting_shard_ids(settings, ledger.r, run_id)
     app = make_celery(settings)
     with app.producer_or_acquire():
         for shard in manifest.shards:
@@ -100,9 +79,9 @@ def resume_run(settings: Settings, run_id: str) -> ResumeResult:
                 result.shards_leased.append(sid)
                 # A killed worker's lease runs out by itself: say when, so the operator knows when a
                 # second `regen resume` will queue the shard.
-                ttl_ms = ledger.r.pttl(ledger.lease_key(run_id, sid))
-                if ttl_ms > 0:
-                    result.lease_frees_in_s = max(result.lease_frees_in_s or 0.0, round(ttl_ms / 1000, 1))
+                left_s = ledger.lease_left_s(run_id, sid)
+                if left_s is not None:
+                    result.lease_frees_in_s = max(result.lease_frees_in_s or 0.0, round(left_s, 1))
             elif sid in queued:
                 result.shards_already_queued.append(sid)
             else:
@@ -120,12 +99,10 @@ def retry_failed(settings: Settings, run_id: str, include_terminal: bool = False
     mode = "all" if include_terminal else "exhausted"
     sent: dict[int, int] = {}
     for sid in sorted(done_shards_in_storage(layout)):
-        table = (
-            layout.storage.read_table(layout.output_shard(sid)).select(["error", "error_class"]).to_pylist()
+        rows = output_rows(
+            layout.storage.read_table(layout.output_shard(sid)).select(["error", "error_class"])
         )
-        n = sum(
-            1 for r in table if r["error"] and (include_terminal or r["error_class"] == "retries_exhausted")
-        )
+        n = sum(1 for r in rows if r.error and (include_terminal or r.error_class == "retries_exhausted"))
         if n:
             ledger.set_shard_state(run_id, sid, "queued")
             send_shard(app, run_id, sid, redo_errors=mode, priority=PRIORITY_RESUME)

@@ -20,7 +20,7 @@ REUSE_SCHEMA = pa.schema([("prompt_id", pa.string()), ("from_run", pa.string()),
 
 
 def reuse_path(layout: RunLayout) -> str:
-    return f"{layout.run_dir}/reuse.parquet"
+    return layout.reuse_path
 
 
 def answered_elsewhere(storage: Storage, manifest: RunManifest) -> dict[str, tuple[str, int]]:

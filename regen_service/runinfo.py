@@ -2,7 +2,7 @@
 
 The producer stores the mix twice: `mix.yaml` exactly as the operator wrote it, and `mix.json` with
 every relative path made absolute, so a worker on any host reads the same settings without knowing
-where the mix file once was.
+where the mix file once was. Where each file lies is RunLayout's (regen_service.storage).
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ def resolved_mix_dict(mix: MixSpec) -> dict:
     return data
 
 
-def resolved_mix_path(layout: RunLayout) -> str:
-    return f"{layout.run_dir}/mix.json"
-
-
 @lru_cache(maxsize=64)
 def _load_mix_cached(url: str, path: str) -> MixSpec:
     # Keyed by the data root's URL: each shard builds its own Storage, so the object can't be the key.
@@ -35,7 +31,7 @@ def _load_mix_cached(url: str, path: str) -> MixSpec:
 
 
 def load_run_mix(layout: RunLayout) -> MixSpec:
-    return _load_mix_cached(layout.storage.url, resolved_mix_path(layout))
+    return _load_mix_cached(layout.storage.url, layout.resolved_mix_path)
 
 
 def load_manifest(layout: RunLayout) -> RunManifest:
@@ -44,9 +40,4 @@ def load_manifest(layout: RunLayout) -> RunManifest:
 
 def done_shards_in_storage(layout: RunLayout) -> set[int]:
     """Shards whose final output file exists: the completion markers."""
-    done = set()
-    for p in layout.storage.ls(layout.outputs_dir):
-        name = p.rsplit("/", 1)[1]
-        if name.startswith("shard-") and name.endswith(".parquet"):
-            done.add(int(name[len("shard-") : -len(".parquet")]))
-    return done
+    return layout.output_shard_ids()

@@ -5,7 +5,7 @@ The steps: skip a shard whose output already exists; take the shard's lease (ano
 rest; keep the lease alive with a heartbeat (losing it stops the work before anything final is written);
 append each answered row to the shard log as it finishes; write the final shard atomically in prompt
 order; mark it done in the ledger, which appends the shard_done event once. Talking to endpoints is the
-Regenerator's job; the queue plumbing is workers/celery_app.py's.
+Regenerator's job; the queue plumbing is regen_service.worker_app's.
 """
 
 from __future__ import annotations
@@ -16,12 +16,19 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from regen_service.errors import EndpointTerminalError, LeaseLostError
 from regen_service.ledger import Ledger
 from regen_service.metrics import SHARDS_FINISHED, SHARDS_IN_PROGRESS, count_row
+from regen_service.progress import (
+    Progress,
+    announce_done,
+    mark_done_from_file,
+    record_progress,
+    take_report,
+    write_report,
+)
 from regen_service.reuse import reused_rows
 from regen_service.rows import prompts_from_table
 from regen_service.runinfo import load_run_mix
@@ -29,7 +36,6 @@ from regen_service.runtime import WorkerRuntime
 from regen_service.shard_log import ShardLog
 from regen_service.storage import RunLayout, Storage
 from schemas.conversation import PromptRecord
-from schemas.records import ShardDoneEvent
 from schemas.rows import OutputRow, output_rows, output_table
 
 log = logging.getLogger(__name__)
@@ -52,105 +58,8 @@ class ShardOutcome:
     seconds: float = 0.0
 
 
-@dataclass
-class Progress:
-    """What is durable of one shard: its rows by prompt id, and the counts the ledger shows per source."""
-
-    rows: dict[str, OutputRow]
-    by_source: Counter = field(default_factory=Counter)
-    failed_by_source: Counter = field(default_factory=Counter)
-    tokens_by_source: Counter = field(default_factory=Counter)
-    unreported_by_source: Counter = field(default_factory=Counter)
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.tokens_by_source.values())
-
-    def add(self, row: OutputRow, *, new: bool) -> None:
-        self.rows[row.prompt_id] = row
-        self.by_source[row.source] += 1
-        if row.error:
-            self.failed_by_source[row.source] += 1
-        tok = row.completion_tokens or 0
-        self.tokens_by_source[row.source] += tok
-        if new:
-            self.unreported_by_source[row.source] += tok
-
-
 def owner_token(hostname: str | None = None) -> str:
     return f"{hostname or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(frozen=True)
-class ProgressReport:
-    """A copy of a Progress's counters, taken where the Progress is mutated (the event loop), so the
-    thread that writes it to the ledger never reads dicts the loop is changing."""
-
-    num_finished: int
-    num_failed: int
-    num_tokens: int
-    per_source_finished: dict
-    per_source_failed: dict
-    per_source_tokens: dict
-    new_tokens_by_source: dict
-
-
-def take_report(prog: Progress) -> ProgressReport:
-    report = ProgressReport(
-        num_finished=len(prog.rows),
-        num_failed=sum(prog.failed_by_source.values()),
-        num_tokens=prog.tokens,
-        per_source_finished=dict(prog.by_source),
-        per_source_failed=dict(prog.failed_by_source),
-        per_source_tokens=dict(prog.tokens_by_source),
-        new_tokens_by_source=dict(prog.unreported_by_source),
-    )
-    prog.unreported_by_source.clear()
-    return report
-
-
-def write_report(ledger: Ledger, run_id: str, shard_id: int, report: ProgressReport) -> None:
-    ledger.set_progress(
-        run_id,
-        shard_id,
-        num_finished=report.num_finished,
-        num_failed=report.num_failed,
-        num_tokens=report.num_tokens,
-        per_source_finished=report.per_source_finished,
-        per_source_failed=report.per_source_failed,
-        per_source_tokens=report.per_source_tokens,
-    )
-    ledger.add_rate_tokens(run_id, report.new_tokens_by_source)
-
-
-def record_progress(ledger: Ledger, run_id: str, shard_id: int, prog: Progress) -> None:
-    """For the thread that owns `prog` (no event loop is changing it)."""
-    write_report(ledger, run_id, shard_id, take_report(prog))
-
-
-def mark_done_from_file(ledger: Ledger, layout: RunLayout, shard_id: int) -> ShardDoneEvent:
-    """The output file exists (it is the completion marker): make the ledger agree, idempotently."""
-    table = layout.storage.read_table(layout.output_shard(shard_id))
-    rows = output_rows(table.select(["prompt_id", "source", "error", "completion_tokens"]))
-    prog = Progress(rows={})
-    for r in rows:
-        prog.add(r, new=False)
-    return _announce_done(ledger, layout, shard_id, prog)
-
-
-def _announce_done(ledger: Ledger, layout: RunLayout, shard_id: int, prog: Progress) -> ShardDoneEvent:
-    """Final counters, then the done mark and its shard_done event (once, whoever calls it)."""
-    record_progress(ledger, layout.run_id, shard_id, prog)
-    event = ShardDoneEvent(
-        run_id=layout.run_id,
-        shard_id=shard_id,
-        path=layout.output_shard(shard_id),
-        num_rows=len(prog.rows),
-        num_errors=sum(prog.failed_by_source.values()),
-        num_tokens=prog.tokens,
-    )
-    ledger.mark_shard_done(event)
-    return event
 
 
 def process_shard(
@@ -222,7 +131,7 @@ def process_shard(
             raise LeaseLostError(f"lease on {run_id}/{shard_id} lost before finalizing")
         storage.write_table_atomic(layout.output_shard(shard_id), output_table(ordered))
         shard_log.remove()
-        ev = _announce_done(ledger, layout, shard_id, prog)
+        ev = announce_done(ledger, layout, shard_id, prog)
         SHARDS_FINISHED.inc()
         return ShardOutcome(
             run_id,

@@ -20,13 +20,6 @@ JSON_KEYS = (
 )  # fmt: skip
 
 
-def _sum_by_source(hash_: dict[str, str]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for k, v in hash_.items():
-        out[k.split("|", 1)[1]] += int(v)
-    return out
-
-
 def _eta_s(remaining: int, done: int, tokens: int, tokens_per_s: float) -> float | None:
     """Seconds left at the last minute's rate, from the tokens a finished prompt took on average."""
     if remaining <= 0:
@@ -50,22 +43,19 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
     rec = ledger.run_record(run_id)
     if rec is None:
         return None
-    pipe = ledger.r.pipeline(transaction=False)
-    for suffix in ("shards", "progress", "failed", "tokens", "srcdone", "srcfailed", "srctokens"):
-        pipe.hgetall(ledger.run_key(run_id, suffix))
-    shards, progress, failed, tokens, srcdone, srcfailed, srctokens = pipe.execute()
+    counters = ledger.run_counters(run_id)
     shard_sources: dict[str, dict[str, int]] = json.loads(rec.get("shard_sources", "{}"))
-    states = list(shards.values())
+    states = list(counters.shard_states.values())
     window_tokens, window_by_source = ledger.tokens_last_window(run_id, 60, now)
     prompts_total = int(rec.get("num_prompts", 0))
-    prompts_done = sum(int(v) for v in progress.values())
-    tokens_generated = sum(int(v) for v in tokens.values())
+    prompts_done = counters.prompts_done
+    tokens_generated = counters.tokens
     tokens_per_s = window_tokens / 60.0
 
     per_src: dict[str, dict] = {}
     src_states: dict[str, list[str]] = defaultdict(list)
     for sid, counts in shard_sources.items():
-        st = shards.get(str(sid), "queued")
+        st = counters.shard_states.get(int(sid), "queued")
         for name, n in counts.items():
             s = per_src.setdefault(
                 name, {"shards_total": 0, "shards_done": 0, "shards_failed": 0, "prompts_total": 0}
@@ -76,9 +66,9 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
             s["prompts_total"] += n
             src_states[name].append(st)
     done_by, failed_by, tokens_by = (
-        _sum_by_source(srcdone),
-        _sum_by_source(srcfailed),
-        _sum_by_source(srctokens),
+        counters.done_by_source,
+        counters.failed_by_source,
+        counters.tokens_by_source,
     )
     # Sources that kept nothing have no shard: list them too, with what enqueue read and quarantined.
     for name, counts in json.loads(rec.get("source_stats", "{}")).items():
@@ -107,7 +97,7 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         "shards_failed": states.count("failed"),
         "prompts_total": prompts_total,
         "prompts_done": prompts_done,
-        "prompts_failed": sum(int(v) for v in failed.values()),
+        "prompts_failed": counters.prompts_failed,
         "tokens_generated": tokens_generated,
         "tokens_per_s": round(tokens_per_s, 1),
         "eta_s": _eta_s(prompts_total - prompts_done, prompts_done, tokens_generated, tokens_per_s),

@@ -3,9 +3,11 @@
 Storage is the truth of a run (the ledger in Redis is a cache of it). The layout under the data root:
 
     runs/<run_id>/mix.yaml                    the mix as given
+    runs/<run_id>/mix.json                    the mix with every path made absolute (runinfo)
     runs/<run_id>/manifest.json               RunManifest (shards, per-source counts)
     runs/<run_id>/prompts/shard-00000.parquet prompt shards (PROMPT_SCHEMA)
     runs/<run_id>/quarantine.parquet          rows that could not be normalized, with reasons
+    runs/<run_id>/reuse.parquet               prompt id -> (run, shard) already answering it (reuse)
     runs/<run_id>/outputs/shard-00000.parquet final output shards (OUTPUT_SCHEMA)
     runs/<run_id>/outputs/parts/shard-00000/part-<ts>-<n>.parquet   durable progress inside a shard
 
@@ -138,7 +140,7 @@ class Storage:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """Paths of one run's files."""
+    """Paths of one run's files: the one place that names them (readers and writers ask here)."""
 
     storage: Storage
     run_id: str
@@ -159,6 +161,14 @@ class RunLayout:
         return f"{self.run_dir}/manifest.json"
 
     @property
+    def resolved_mix_path(self) -> str:
+        return f"{self.run_dir}/mix.json"
+
+    @property
+    def reuse_path(self) -> str:
+        return f"{self.run_dir}/reuse.parquet"
+
+    @property
     def quarantine_path(self) -> str:
         return f"{self.run_dir}/quarantine.parquet"
 
@@ -174,6 +184,15 @@ class RunLayout:
 
     def parts_dir(self, shard_id: int) -> str:
         return f"{self.outputs_dir}/parts/shard-{shard_id:05d}"
+
+    def output_shard_ids(self) -> set[int]:
+        """Shards whose final output file exists: the completion markers (the names output_shard gives)."""
+        done = set()
+        for p in self.storage.ls(self.outputs_dir):
+            name = p.rsplit("/", 1)[1]
+            if name.startswith("shard-") and name.endswith(".parquet"):
+                done.add(int(name[len("shard-") : -len(".parquet")]))
+        return done
 
     @staticmethod
     def list_runs(storage: Storage) -> list[str]:

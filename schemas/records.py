@@ -46,12 +46,14 @@ class RunManifest(BaseModel):
 
 
 class ShardDoneEvent(BaseModel):
-    """Appended to the run's Redis stream when an output shard is final."""
+    """Appended to the run's Redis stream when an output shard is final. `path` is where the worker
+    wrote it, for people reading the stream: a reader finds the file from (run_id, shard_id) under its
+    own data root, since anyone who can write the stream could point `path` anywhere."""
 
     model_config = ConfigDict(extra="forbid")
 
     run_id: str
-    shard_id: int
+    shard_id: int = Field(ge=0)
     path: str
     num_rows: int
     num_errors: int = 0

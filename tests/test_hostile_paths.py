@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from regen_service.drafter.checkpoint import load_latest
@@ -24,9 +25,11 @@ from regen_service.drafter.fixtures import (
     register_run,
 )
 from regen_service.errors import ConfigError
+from regen_service.ledger import read_shard_done
 from regen_service.producer import enqueue
 from regen_service.queue import make_celery, send_shard
 from regen_service.storage import BadRunIdError, RunLayout, Storage, check_run_id
+from schemas.records import ShardDoneEvent
 from tests.procs import regen_cmd, sim_server, wait_run_done, worker_process
 from tests.test_exactly_once import output_rows, write_prompt_mix
 
@@ -83,6 +86,23 @@ def _train(env, target, out, cfg, log) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT, timeout=300)
 
 
+def _event(shard_id: str, path: str) -> dict:
+    """A shard_done entry as anyone who can write the stream could forge it: valid, but naming `path`."""
+    return {"type": "shard_done", "run_id": "run-p", "shard_id": shard_id, "path": path, "num_rows": "8"}
+
+
+def test_shard_done_entries_are_read_back_through_their_schema(settings):
+    ledger = register_run(settings, "run-q", num_shards=2, rows_per_shard=1)
+    event = ShardDoneEvent(run_id="run-q", shard_id=1, path="/w/x.parquet", num_rows=3, num_tokens=7)
+    assert ledger.mark_shard_done(event)
+    entries = [fields for _, fields in ledger.r.xrange(ledger.events_key("run-q"))]
+    assert read_shard_done(entries[0]) == event
+    assert read_shard_done({"type": "run_done", "run_id": "run-q"}) is None
+    for bad in ("../x", "-1", ""):
+        with pytest.raises(pydantic.ValidationError):
+            read_shard_done(_event(bad, "x"))
+
+
 def test_trainer_ignores_event_paths_and_survives_unreadable_shards(settings, settings_env, tmp_path):
     target = make_tiny_target(tmp_path / "target", layers=4, hidden=32, heads=4, kv_heads=2)
     cfg = tmp_path / "train.json"
@@ -94,21 +114,19 @@ def test_trainer_ignores_event_paths_and_survives_unreadable_shards(settings, se
     publish_shard(settings, ledger, "run-p", 0, rows)  # a good shard
     # shard 1: good file in our root, but its event names /etc/passwd
     layout.storage.write_table_atomic(layout.output_shard(1), output_table(rows))
-    ledger.r.xadd(key, {"type": "shard_done", "run_id": "run-p", "shard_id": "1", "path": "/etc/passwd"})
+    ledger.r.xadd(key, _event("1", "/etc/passwd"))
     # shard 2: no file in our root; its event names a planted, valid Parquet file elsewhere
     planted = tmp_path / "planted.parquet"
     Storage(str(tmp_path)).write_table_atomic(str(planted), output_table(rows))
-    ledger.r.xadd(key, {"type": "shard_done", "run_id": "run-p", "shard_id": "2", "path": str(planted)})
+    ledger.r.xadd(key, _event("2", str(planted)))
     # shard 3: a file in our root that is not Parquet; shard 4: Parquet of another schema
     Path(layout.output_shard(3)).write_text("root:x:0:0:root:/root:/bin/bash\n")
-    ledger.r.xadd(key, {"type": "shard_done", "run_id": "run-p", "shard_id": "3", "path": "x"})
+    ledger.r.xadd(key, _event("3", "x"))
     import pyarrow as pa
 
     layout.storage.write_table_atomic(layout.output_shard(4), pa.table({"a": [1, 2]}))
-    ledger.r.xadd(key, {"type": "shard_done", "run_id": "run-p", "shard_id": "4", "path": "x"})
-    ledger.r.xadd(
-        key, {"type": "shard_done", "run_id": "run-p", "shard_id": "../x", "path": "x"}
-    )  # malformed
+    ledger.r.xadd(key, _event("4", "x"))
+    ledger.r.xadd(key, _event("../x", "x"))  # malformed
     out, log = tmp_path / "out", tmp_path / "trainer.log"
     assert _train(settings_env, target, out, cfg, log).returncode == 0, log.read_text()[-3000:]
     ckpt = load_latest(out)
@@ -122,7 +140,7 @@ def test_trainer_ignores_event_paths_and_survives_unreadable_shards(settings, se
     assert "cannot be trained on and is skipped" in log.read_text()
     assert ledger.r.xpending(key, "trainer")["pending"] == 0  # every entry acked, bad ones included
     # a restart meeting an unreadable shard already pending for it (a trainer killed before it acked)
-    ledger.r.xadd(key, {"type": "shard_done", "run_id": "run-p", "shard_id": "5", "path": "/etc/shadow"})
+    ledger.r.xadd(key, _event("5", "/etc/shadow"))
     Path(layout.output_shard(5)).write_bytes(b"PAR1 not really")
     ledger.r.xreadgroup("trainer", default_consumer_name(str(out)), {key: ">"}, count=1)
     assert ledger.r.xpending(key, "trainer")["pending"] == 1

@@ -183,7 +183,7 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     import socket
 
     from regen_service.runtime import WorkerConfig
-    from workers import celery_app
+    from regen_service.worker_app import WorkerApp
 
     settings = _settings()
     _setup_logging(settings)
@@ -215,16 +215,16 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
         "worker %s: broker %s, queue %s, endpoints %s", node, settings.redis_url_redacted, settings.queue_name,
         ", ".join(redact_url(e) for e in endpoints),
     )  # fmt: skip
-    celery_app.configure(settings, config)
+    worker_app = WorkerApp(settings, config)
     try:
-        celery_app.app.worker_main(
+        worker_app.app.worker_main(
             ["worker", "--pool=threads", f"--concurrency={max_shards_in_hand}", "--prefetch-multiplier=1",
              "-Q", settings.queue_name, "-E", "--without-gossip", "--without-mingle", "-n", node,
              f"--loglevel={settings.log_level}"]
         )  # fmt: skip
     finally:
-        if celery_app.exit_code:
-            sys.exit(celery_app.exit_code)
+        if worker_app.exit_code:
+            sys.exit(worker_app.exit_code)
 
 
 @main.command("retry-failed")
@@ -258,7 +258,7 @@ def flower(ctx: click.Context, port: int, address: str, basic_auth: str | None, 
 
     Every route but /healthcheck (including /metrics and the API) demands the credentials."""
     from regen_service.flower_guard import check_basic_auth, guard_every_route
-    from workers import celery_app
+    from regen_service.worker_app import WorkerApp
 
     settings = _settings()
     if not basic_auth and not no_auth:
@@ -271,11 +271,10 @@ def flower(ctx: click.Context, port: int, address: str, basic_auth: str | None, 
         except ConfigError as e:
             raise click.ClickException(str(e)) from None
     guard_every_route()
-    celery_app.configure(settings, None)  # type: ignore[arg-type]
     args = ["flower", f"--port={port}", f"--address={address}", *ctx.args]
     if basic_auth:
         args.append(f"--basic-auth={basic_auth}")
-    celery_app.app.start(args)
+    WorkerApp(settings).app.start(args)
 
 
 @main.command()

@@ -19,9 +19,10 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import pydantic
 import redis
 
-from regen_service.ledger import Ledger
+from regen_service.ledger import Ledger, read_shard_done
 
 log = logging.getLogger(__name__)
 
@@ -107,22 +108,20 @@ class ShardFeed:
     def _ref(self, entry_id: str, fields: dict | None) -> ShardRef | None:
         """A shard_done entry of our run as a ShardRef; None for anything else. Its `path` is kept
         for the record only: the trainer finds the file from (run, shard) under its own data root."""
-        if not fields or fields.get("type") != "shard_done" or fields.get("run_id") != self.run_id:
-            return None
-        raw_id = str(fields.get("shard_id", ""))
-        if not raw_id.isdigit() or len(raw_id) > 9:
+        try:
+            event = read_shard_done(fields or {})
+        except pydantic.ValidationError as e:
+            why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             log.error(
-                "stream entry %s of run %s has a bad shard_id %r; skipped", entry_id, self.run_id, raw_id
+                "stream entry %s of run %s is no valid shard_done event; skipped (%s)",
+                entry_id,
+                self.run_id,
+                why,
             )
             return None
-        num_rows = str(fields.get("num_rows", "0"))
-        return ShardRef(
-            entry_id,
-            self.run_id,
-            int(raw_id),
-            str(fields.get("path", "")),
-            int(num_rows) if num_rows.isdigit() else 0,
-        )
+        if event is None or event.run_id != self.run_id:
+            return None
+        return ShardRef(entry_id, event.run_id, event.shard_id, event.path, event.num_rows)
 
     def _own_pending(self) -> list[ShardRef]:
         out, last = [], "0"
