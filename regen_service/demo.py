@@ -15,12 +15,12 @@ from pathlib import Path
 import redis
 
 from regen_service.errors import ConfigError
-from regen_service.find_runs import demo_settings
-from regen_service.ledger import Ledger
 from regen_service.localproc import free_port, regen_cmd, spawn, stop, wait_http
-from regen_service.producer import enqueue
+from regen_service.produce.producer import enqueue
 from regen_service.settings import Settings
-from regen_service.status import run_status
+from regen_service.state.find_runs import demo_settings
+from regen_service.state.ledger import Ledger
+from regen_service.state.status import run_status
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_MIX = DEMO_DIR / "mix.yaml"
@@ -30,8 +30,8 @@ def summarize(settings: Settings, run_id: str) -> str:
     """Per-source counts read back from the run's files with `datasets`, as a user would check them."""
     import datasets
 
-    from regen_service.runinfo import load_manifest
-    from regen_service.storage import RunLayout, Storage
+    from regen_service.state.runinfo import load_manifest
+    from regen_service.state.storage import RunLayout, Storage
 
     layout = RunLayout(Storage(settings.data_root_resolved), run_id)
     manifest = load_manifest(layout)

@@ -2,7 +2,7 @@
 
 Only `Settings.from_env` reads os.environ; everything else receives a Settings object. Every client
 of the broker (producer, workers, Flower, `regen resume`) builds its Celery configuration from the
-same Settings, so they cannot disagree on the visibility timeout (see regen_service.queue).
+same Settings, so they cannot disagree on the visibility timeout (see regen_service.state.queue).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one conversation shape every input format normalizes to, and the stable prompt id.
 
-Sources (regen_service.sources) turn dataset rows into `Conversation`s; this module only defines
+Sources (regen_service.produce.sources) turn dataset rows into `Conversation`s; this module only defines
 the shape, its validation rules and the content hash. It does not read files or talk to servers.
 """
 

@@ -2,7 +2,7 @@
 
 A mix is a YAML file validated once (extra keys are errors, so a typo never silently means "default").
 `load_mix` turns pydantic's errors into lines that name the field and what it accepts. Reading the
-datasets the mix names is the sources' job (regen_service.sources), not this module's.
+datasets the mix names is the sources' job (regen_service.produce.sources), not this module's.
 """
 
 from __future__ import annotations

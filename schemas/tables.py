@@ -2,7 +2,7 @@
 
 Every file carries SCHEMA_VERSION in its metadata (key b"regen.schema_version"); readers check it.
 Output rows are typed in schemas.rows (OutputRow, Turn: fields are these columns); prompt shards
-convert to and from PromptRecords in regen_service.rows.
+convert to and from PromptRecords in regen_service.produce.rows.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from regen_service.client.config import PoolConfig
-from regen_service.client.pool import EndpointPool
-from regen_service.regenerate import Regenerator
+from regen_service.work.client.config import PoolConfig
+from regen_service.work.client.pool import EndpointPool
+from regen_service.work.regenerate import Regenerator
 from schemas.conversation import Conversation, Message, PromptRecord
 from schemas.mix import MixSpec
 from schemas.rows import OutputRow
@@ -122,9 +122,9 @@ async def drive_direct(urls: list[str], args: argparse.Namespace, faults: bool) 
 def drive_worker(urls: list[str], args: argparse.Namespace, faults: bool) -> dict:
     """One real `regen worker` process over Redis/Celery. Output tokens are those of the rows the run kept
     (read back from its Parquet shards), not the simulators' counters, which include answers lost in flight."""
-    from regen_service.ledger import Ledger
     from regen_service.settings import Settings
-    from regen_service.status import run_status
+    from regen_service.state.ledger import Ledger
+    from regen_service.state.status import run_status
 
     work = Path(tempfile.mkdtemp(prefix="regen-bench-"))
     with open(work / "bench.jsonl", "w") as f:

@@ -81,9 +81,9 @@ def answered_or_asked(stats: list[dict]) -> int:
 
 
 def run_regen(urls: list[str], args: argparse.Namespace, shard_size: int) -> dict:
-    from regen_service.ledger import Ledger
     from regen_service.settings import Settings
-    from regen_service.status import run_status
+    from regen_service.state.ledger import Ledger
+    from regen_service.state.status import run_status
 
     work = Path(tempfile.mkdtemp(prefix="regen-occ-"))
     (work / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _prompts(args.prompts)))

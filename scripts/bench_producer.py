@@ -19,8 +19,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from regen_service.prepare import prepare_run, run_id_for
-from regen_service.storage import Storage
+from regen_service.produce.prepare import prepare_run, run_id_for
+from regen_service.state.storage import Storage
 from schemas.mix import parse_mix
 
 WORDS = "alpha beta gamma delta river stone cloud lamp garden query vector kernel tide maple orbit".split()

@@ -27,10 +27,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from regen_service.ledger import Ledger
-from regen_service.producer import enqueue
+from regen_service.produce.producer import enqueue
 from regen_service.settings import Settings
-from regen_service.status import run_status
+from regen_service.state.ledger import Ledger
+from regen_service.state.status import run_status
 from tests.procs import regen_cmd, sim_server, spawn, stop
 
 FORMATS = ["sharegpt", "messages", "instruction", "prompt_response", "sharegpt",

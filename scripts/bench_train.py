@@ -27,10 +27,10 @@ from types import SimpleNamespace
 
 import torch
 
-from regen_service.drafter.checkpoint import save_checkpoint
-from regen_service.drafter.dist import init_distributed, shutdown
-from regen_service.drafter.model import DraftConfig
-from regen_service.drafter.train import DraftTrainer
+from regen_service.train.checkpoint import save_checkpoint
+from regen_service.train.dist import init_distributed, shutdown
+from regen_service.train.model import DraftConfig
+from regen_service.train.train import DraftTrainer
 
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
 
@@ -144,7 +144,7 @@ def bench_draft(a) -> dict:
 def bench_online(a) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from regen_service.drafter.target import HFTarget
+    from regen_service.train.target import HFTarget
 
     ctx = init_distributed("cuda")
     tc = LlamaConfig(
@@ -181,8 +181,8 @@ def bench_online(a) -> dict:
 def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str, mla: bool = False) -> dict:
     import copy
 
-    from regen_service.drafter.model import Eagle3Draft
-    from regen_service.drafter.ttt import ttt_loss
+    from regen_service.train.model import Eagle3Draft
+    from regen_service.train.ttt import ttt_loss
 
     torch.manual_seed(0)
     c = DraftConfig(512, 1024, 8, 2, 64, 1e-5, 500000.0, 4096, 3000, 700, 512)

@@ -24,20 +24,20 @@ from pathlib import Path
 import redis
 import torch
 
-from regen_service.drafter.accept import accept_length
-from regen_service.drafter.checkpoint import load_latest
-from regen_service.drafter.config import TrainConfig
-from regen_service.drafter.fixtures import (
+from regen_service.settings import Settings
+from regen_service.train.accept import accept_length
+from regen_service.train.checkpoint import load_latest
+from regen_service.train.config import TrainConfig
+from regen_service.train.fixtures import (
     greedy_rows,
     make_tiny_target,
     publish_shard,
     random_prompts,
     register_run,
 )
-from regen_service.drafter.model import DraftConfig, Eagle3Draft
-from regen_service.drafter.runner import train_from_run
-from regen_service.drafter.target import HFTarget
-from regen_service.settings import Settings
+from regen_service.train.model import DraftConfig, Eagle3Draft
+from regen_service.train.runner import train_from_run
+from regen_service.train.target import HFTarget
 
 # what each comparison trains: label -> the TrainConfig fields that differ
 CHOICES = {

@@ -106,8 +106,8 @@ def worker_process(
 
 def wait_run_done(settings, run_id: str, timeout_s: float = 120.0, procs: tuple = ()) -> dict:
     """Poll the ledger until the run is done; fail fast if a process the test started died."""
-    from regen_service.ledger import Ledger
-    from regen_service.status import run_status
+    from regen_service.state.ledger import Ledger
+    from regen_service.state.status import run_status
 
     ledger = Ledger(settings)
     deadline = time.monotonic() + timeout_s

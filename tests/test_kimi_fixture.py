@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from regen_service.chat_template import prompt_ids
 from regen_service.cli import main
-from regen_service.drafter.data import ChatRenderer
 from regen_service.errors import ConfigError
 from regen_service.kimi_fixture import build_kimi_fixture
 from regen_service.remote_code import load_tokenizer, remote_code_files
-from regen_service.runtime import WorkerConfig, WorkerRuntime
+from regen_service.train.data import ChatRenderer
+from regen_service.work.chat_template import prompt_ids
+from regen_service.work.runtime import WorkerConfig, WorkerRuntime
 from schemas.conversation import Message
 from schemas.mix import TargetSpec
 
@@ -196,7 +196,7 @@ def _offset_mask(renderer: ChatRenderer, messages, tools) -> list[int]:
 def test_masks_on_the_fast_demo_tokenizer_are_unchanged():
     from transformers import AutoTokenizer
 
-    from regen_service.drafter.fixtures import DEMO_TOKENIZER
+    from regen_service.train.fixtures import DEMO_TOKENIZER
 
     tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     r = ChatRenderer(tok)
@@ -227,7 +227,7 @@ def test_masks_on_the_fast_demo_tokenizer_are_unchanged():
 
 
 def test_validate_draft_and_launch_take_the_kimi_folder(kimi_dir, tmp_path, monkeypatch):
-    import tests.test_export_validate as ev
+    import tests.train.test_export_validate as ev
 
     tc = json.loads((kimi_dir / "config.json").read_text())["text_config"]
     monkeypatch.setattr(ev, "VOCAB", tc["vocab_size"])

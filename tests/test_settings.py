@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from regen_service.queue import celery_config, make_celery
 from regen_service.settings import Settings, redact_url
+from regen_service.state.queue import celery_config, make_celery
 
 
 def test_every_broker_client_gets_the_same_exactly_once_settings():

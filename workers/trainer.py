@@ -1,15 +1,15 @@
 """The long-lived trainer process: `python -m workers.trainer --run R --target T --out D [--follow]`.
 
-Thin on purpose: it is `regen train` (regen_service.cli.drafter) with the same flags, started the
+Thin on purpose: it is `regen train` (regen_service.cli.train) with the same flags, started the
 way process managers and torchrun expect a module (`torchrun --nproc_per_node 8 -m workers.trainer
--- --run R ...`). Everything it does lives in regen_service.drafter.
+-- --run R ...`). Everything it does lives in regen_service.train.
 """
 
 from __future__ import annotations
 
 import sys
 
-from regen_service.cli.drafter import train_cmd
+from regen_service.cli.train import train_cmd
 
 
 def main(argv: list[str] | None = None) -> None:

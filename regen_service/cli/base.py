@@ -35,7 +35,7 @@ def main() -> None:
 
 def run_id_param(_ctx, _param, value: str | None) -> str | None:
     """Click callback: a RUN_ID argument or --run option must be one the producer could have made."""
-    from regen_service.storage import BadRunIdError, check_run_id
+    from regen_service.state.storage import BadRunIdError, check_run_id
 
     if value is None:
         return None

@@ -15,10 +15,10 @@ import click
 from pydantic import ValidationError
 
 from regen_service.cli.base import main, run_id_param
-from regen_service.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.errors import ConfigError
-from regen_service.ledger import check_reachable
+from regen_service.produce.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.settings import Settings, redact_url
+from regen_service.state.ledger import check_reachable
 from schemas.mix import MixError
 
 _ENV_OF_FIELD = {
@@ -46,7 +46,7 @@ def _settings(*, need_redis: bool = False) -> Settings:
 
 
 def _setup_logging(settings: Settings) -> None:
-    from regen_service.client.auth import install_log_scrubber
+    from regen_service.work.client.auth import install_log_scrubber
 
     install_log_scrubber()  # no log line of this process carries an API key or a URL password
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -84,7 +84,7 @@ def enqueue(mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantin
     keep nothing or quarantine more than --max-quarantined-fraction; with --strict such a run is
     prepared but not queued, and the command exits 1.
     """
-    from regen_service.producer import enqueue as do_enqueue
+    from regen_service.produce.producer import enqueue as do_enqueue
 
     settings = _settings()
     _setup_logging(settings)
@@ -107,7 +107,7 @@ def enqueue(mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantin
 
 def read_api_key(env_var: str, key_file: str | None):
     """The endpoints' key: from --api-key-file (one line, stripped), else from the variable if set."""
-    from regen_service.client.auth import load_api_key
+    from regen_service.work.client.auth import load_api_key
 
     try:
         if key_file:
@@ -182,8 +182,8 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
 
-    from regen_service.runtime import WorkerConfig
-    from regen_service.worker_app import WorkerApp
+    from regen_service.work.runtime import WorkerConfig
+    from regen_service.work.worker_app import WorkerApp
 
     settings = _settings()
     _setup_logging(settings)
@@ -232,7 +232,7 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
 @click.option("--include-terminal", is_flag=True, help="also re-ask rows with terminal errors (e.g. 4xx)")
 def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
     """Send rows of RUN_ID that exhausted their retries back through the queue."""
-    from regen_service.resume import retry_failed
+    from regen_service.state.resume import retry_failed
 
     _print_json(retry_failed(_settings(need_redis=True), run_id, include_terminal=include_terminal))
 
@@ -257,8 +257,8 @@ def flower(ctx: click.Context, port: int, address: str, basic_auth: str | None, 
     """Start Flower on the same broker settings as the workers (one visibility timeout for all).
 
     Every route but /healthcheck (including /metrics and the API) demands the credentials."""
-    from regen_service.flower_guard import check_basic_auth, guard_every_route
-    from regen_service.worker_app import WorkerApp
+    from regen_service.deploy.flower_guard import check_basic_auth, guard_every_route
+    from regen_service.work.worker_app import WorkerApp
 
     settings = _settings()
     if not basic_auth and not no_auth:

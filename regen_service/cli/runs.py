@@ -1,5 +1,5 @@
 """CLI commands that find and show runs: status, runs, resume. A RUN argument is a run id, an id prefix
-or a mix name (regen_service.find_runs); rendering is regen_service.status_view's."""
+or a mix name (regen_service.state.find_runs); rendering is regen_service.cli.status_view's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from regen_service.errors import ConfigError
 
 
 def _resolve(settings, query: str):
-    from regen_service.find_runs import resolve_run
+    from regen_service.state.find_runs import resolve_run
 
     try:
         return resolve_run(settings, query)
@@ -28,10 +28,10 @@ def status(run: str | None, as_json: bool, watch: float | None) -> None:
 
     Without RUN it also lists runs under the data root that the ledger lost, and the demo's runs.
     """
-    from regen_service.find_runs import list_runs
-    from regen_service.ledger import Ledger
-    from regen_service.status import run_status
-    from regen_service.status_view import show
+    from regen_service.cli.status_view import show
+    from regen_service.state.find_runs import list_runs
+    from regen_service.state.ledger import Ledger
+    from regen_service.state.status import run_status
 
     settings = _settings(need_redis=True)
     target = _resolve(settings, run) if run else None
@@ -62,7 +62,7 @@ def status(run: str | None, as_json: bool, watch: float | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def runs(as_json: bool) -> None:
     """Every run under the data root or in the ledger (the demo's too): id, mix name, where it is known."""
-    from regen_service.find_runs import list_runs
+    from regen_service.state.find_runs import list_runs
 
     refs = list_runs(_settings(need_redis=True))
     rows = [
@@ -93,7 +93,7 @@ def resume(run: str, as_json: bool) -> None:
     RUN is a run id, an id prefix or a mix name. Shards still held by a lease (a worker killed a moment
     ago holds it until it runs out) are not queued: the output says when the lease frees.
     """
-    from regen_service.resume import resume_run
+    from regen_service.state.resume import resume_run
 
     settings = _settings(need_redis=True)
     ref = _resolve(settings, run)

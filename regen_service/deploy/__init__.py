@@ -1,1 +1,1 @@
-"""Deployment helpers: SGLang's launch command with a draft preflight, and the speculative benchmark."""
+"""Deployment: SGLang and vLLM launch commands with a draft preflight, bench-spec, and Flower behind auth."""

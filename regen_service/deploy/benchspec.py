@@ -131,7 +131,7 @@ async def vllm_spec_counters(client: httpx.AsyncClient) -> tuple[float, float] |
 
 
 async def detect_engine(client: httpx.AsyncClient, label: str) -> str:
-    from regen_service.client.engines import engine_from
+    from regen_service.work.client.engines import engine_from
 
     async def body(path: str) -> bytes | None:
         r = await client.get(path)

@@ -6,9 +6,9 @@ build looks itself up under another package name and fails). Three modes:
 - plain: regeneration traffic (`regen worker --endpoint`);
 - `draft`: EAGLE-3 speculative decoding, after validate-draft passed for vLLM's conventions (aux ids as
   layer inputs, no d2t when the draft vocabulary is the target's); `method` is always `eagle3`;
-- `hidden_states_dir`: the trainer's target backend (drafter/engine_target.py): vLLM 0.32's
+- `hidden_states_dir`: the trainer's target backend (train/engine_target.py): vLLM 0.32's
   `extract_hidden_states` method capturing the inputs of the aux layers plus the last layer's output,
-  written per request by regen's connector (drafter/vllm_connector.py, found through PYTHONPATH).
+  written per request by regen's connector (train/vllm_connector.py, found through PYTHONPATH).
 Running vLLM is the operator's (or a test's) business; the CLI (`regen launch-vllm`) prints or execs.
 """
 
@@ -22,12 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 import regen_service
 from regen_service.deploy.launch import DraftPreflightError, Launch
-from regen_service.drafter import sglang_format as fmt
-from regen_service.drafter.validate import validate_draft
 from regen_service.errors import ConfigError
+from regen_service.train import sglang_format as fmt
+from regen_service.train.validate import validate_draft
 
 CONNECTOR = "RegenHiddenStatesConnector"
-CONNECTOR_MODULE = "regen_service.drafter.vllm_connector"
+CONNECTOR_MODULE = "regen_service.train.vllm_connector"
 
 
 class VllmLaunchSpec(BaseModel):
@@ -70,7 +70,7 @@ def _target_info(target: Path) -> fmt.TargetInfo:
 
 def hidden_state_layers(target: fmt.TargetInfo, aux_layer_ids: list[int] | None) -> list[int]:
     """What the engine captures for the trainer: the aux layer inputs, then the last layer's output."""
-    from regen_service.drafter.target import checked_aux_layer_ids
+    from regen_service.train.target import checked_aux_layer_ids
 
     return [*checked_aux_layer_ids(aux_layer_ids, target.num_layers), target.num_layers]
 

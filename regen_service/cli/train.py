@@ -1,0 +1,123 @@
+"""CLI commands of the drafter: `regen train` and `regen make-tiny-target` (export/validate commands are
+added by their owners).
+
+torch and transformers are imported inside the command, so `regen --help` stays fast and works on
+hosts without them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from regen_service.cli.base import main, run_id_param
+
+
+@main.command("train")
+@click.option(
+    "--run", "run_id", required=True, callback=run_id_param, help="Run id whose output shards to train on."
+)
+@click.option(
+    "--target", "target_path", required=True, help="Local Hugging Face directory of the target model."
+)
+@click.option("--out", "out_dir", required=True, help="Output directory (checkpoints/, metrics.jsonl).")
+@click.option(
+    "--follow", is_flag=True, help="Keep training as shards land; stop when the run is done and consumed."
+)
+@click.option("--config", "config_path", default=None, help="train.yaml (TrainConfig fields).")
+@click.option(
+    "--group",
+    default="trainer",
+    show_default=True,
+    help="Redis consumer group shared by cooperating trainers.",
+)
+@click.option(
+    "--consumer", default=None, help="Consumer name in the group (default: derived from host and --out)."
+)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option(
+    "--target-backend",
+    type=click.Choice(["hf", "vllm"]),
+    default=None,
+    help="target states from a local HF copy, or from a vLLM engine holding the target [config: hf]",
+)
+@click.option("--target-endpoint", default=None, help="the vLLM engine's URL (--target-backend vllm)")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    default=None,
+    help="Let the target folder's own Python code run (auto_map, e.g. Kimi-K2.5's tokenizer).",
+)
+def train_cmd(
+    run_id,
+    target_path,
+    out_dir,
+    follow,
+    config_path,
+    group,
+    consumer,
+    device,
+    target_backend,
+    target_endpoint,
+    trust_remote_code,
+) -> None:
+    """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
+    from regen_service.errors import ConfigError
+    from regen_service.settings import Settings
+    from regen_service.train.config import TrainConfig
+    from regen_service.train.runner import train_from_run
+
+    settings = Settings.from_env()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = TrainConfig.load(
+            config_path,
+            target_backend=target_backend,
+            target_endpoint=target_endpoint,
+            trust_remote_code=trust_remote_code or None,
+        )
+        summary = train_from_run(
+            settings,
+            run_id,
+            target_path,
+            out_dir,
+            cfg,
+            follow=follow,
+            group=group,
+            consumer=consumer,
+            device=device,
+        )
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(summary, default=str))
+    sys.stdout.flush()
+
+
+@main.command("make-tiny-target")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--layers", type=int, default=4, show_default=True, help="decoder layers (EAGLE-3 needs >= 4)")
+@click.option("--hidden", type=int, default=128, show_default=True, help="hidden size")
+@click.option("--heads", type=int, default=4, show_default=True, help="attention heads")
+@click.option("--kv-heads", type=int, default=2, show_default=True, help="key/value heads")
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_tiny_target_cmd(
+    out_dir: str, layers: int, hidden: int, heads: int, kv_heads: int, seed: int
+) -> None:
+    """Write a tiny random Llama target (the demo tokenizer) to OUT_DIR, for CPU dry runs of `regen train`
+    and of vLLM's CPU build (which needs hidden/heads >= 32: the defaults give 32)."""
+    from regen_service.train.fixtures import make_tiny_target
+
+    if layers < 4 or hidden % heads or heads % kv_heads:
+        raise click.ClickException(
+            "--layers must be >= 4, --heads must divide --hidden and --kv-heads must divide --heads"
+        )
+    path = make_tiny_target(out_dir, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seed=seed)
+    config = json.loads((path / "config.json").read_text())
+    click.echo(
+        f"tiny target in {path}: {layers} layers, hidden {hidden}, head_dim {hidden // heads}, vocabulary "
+        f"{config['vocab_size']}, max_position_embeddings {config['max_position_embeddings']}; train on it "
+        f"with e.g. draft_vocab_size: 512 and max_length: 256 in train.yaml"
+    )

@@ -1,0 +1,275 @@
+"""The run ledger in Redis: run and shard records, progress counters, leases and the shard_done stream.
+
+Redis is a fast shared cache of what storage holds: everything here can be rebuilt from the data root
+by `regen resume` (regen_service.state.resume). Counters are SET per shard (never incremented per prompt),
+so a shard that runs twice after a crash cannot double-count. Leases make one worker at a time own a
+shard. Keys, all under the settings' key prefix P:
+
+    P:runs                          set of run ids
+    P:run:<rid>                     hash: run record (mix name, model, num_shards, num_prompts, state, ...)
+    P:run:<rid>:shards              hash: shard id -> queued | running | done | failed
+    P:run:<rid>:progress            hash: shard id -> prompts finished (answered or terminal error)
+    P:run:<rid>:failed              hash: shard id -> prompts that ended with an error
+    P:run:<rid>:tokens              hash: shard id -> completion tokens generated
+    P:run:<rid>:srcdone             hash: "<shard>|<source>" -> prompts finished from that source
+    P:run:<rid>:srcfailed           hash: "<shard>|<source>" -> prompts failed from that source
+    P:run:<rid>:srctokens           hash: "<shard>|<source>" -> completion tokens from that source
+    P:run:<rid>:rate                hash: "<unix second>[|<source>]" -> tokens finished then (last ~5 min)
+    P:run:<rid>:events              stream of {type: shard_done|run_done, ...}
+    P:lease:<rid>:<shard>           string: owner token, with a TTL renewed by the holder's heartbeat
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from regen_service.errors import LedgerUnreachableError
+from regen_service.settings import Settings
+from schemas.records import RunManifest, ShardDoneEvent
+
+SHARD_STATES = ("queued", "running", "done", "failed")
+RATE_WINDOW_S = 300
+
+# Release a lease only if we still hold it; extend likewise (compare-and-set in one round trip).
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
+# Mark a shard done exactly once: returns 1 the first time, 0 when it already was done.
+_MARK_DONE = (
+    "if redis.call('hget', KEYS[1], ARGV[1]) == 'done' then return 0 end "
+    "redis.call('hset', KEYS[1], ARGV[1], 'done') return 1"
+)
+
+
+@dataclass(frozen=True)
+class RunCounters:
+    """A run's per-shard counters added up, for status: states by shard, totals, totals by source."""
+
+    shard_states: dict[int, str]
+    prompts_done: int
+    prompts_failed: int
+    tokens: int
+    done_by_source: dict[str, int]
+    failed_by_source: dict[str, int]
+    tokens_by_source: dict[str, int]
+
+
+def connect(settings: Settings) -> redis.Redis:
+    return redis.Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+
+
+def check_reachable(settings: Settings) -> None:
+    """Raise LedgerUnreachableError (one line: where, why, how to fix) unless Redis answers a PING."""
+    try:
+        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
+    except redis.RedisError as e:
+        raise LedgerUnreachableError(
+            f"Redis at {settings.redis_url_redacted} is not reachable ({e}). Start one "
+            '(redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no) or point '
+            "REGEN_REDIS_URL at yours"
+        ) from None
+
+
+class Ledger:
+    def __init__(self, settings: Settings, client: redis.Redis | None = None):
+        self.settings = settings
+        self.r = client or connect(settings)
+        self.p = settings.key_prefix
+        self._release = self.r.register_script(_RELEASE)
+        self._extend = self.r.register_script(_EXTEND)
+        self._mark_done = self.r.register_script(_MARK_DONE)
+
+    # --- keys ---------------------------------------------------------------------------------------
+    def run_key(self, run_id: str, suffix: str = "") -> str:
+        return f"{self.p}:run:{run_id}" + (f":{suffix}" if suffix else "")
+
+    def events_key(self, run_id: str) -> str:
+        return self.run_key(run_id, "events")
+
+    def lease_key(self, run_id: str, shard_id: int) -> str:
+        return f"{self.p}:lease:{run_id}:{shard_id}"
+
+    # --- runs ---------------------------------------------------------------------------------------
+    def register_run(self, manifest: RunManifest, data_root: str, done_shards: Iterable[int] = ()) -> bool:
+        """Record a run and its shards. Returns False (and changes nothing) when the run is already known."""
+        key = self.run_key(manifest.run_id)
+        record = {
+            "run_id": manifest.run_id,
+            "mix_name": manifest.mix_name,
+            "model": manifest.model,
+            "api": manifest.api,
+            "num_shards": manifest.num_shards,
+            "num_prompts": manifest.num_prompts,
+            "created_at": manifest.created_at,
+            "registered_at": time.time(),
+            "data_root": data_root,
+            "shard_sources": json.dumps({s.shard_id: s.sources for s in manifest.shards}),
+            "shard_sizes": json.dumps({s.shard_id: s.num_prompts for s in manifest.shards}),
+            "source_stats": json.dumps({k: v.model_dump() for k, v in manifest.sources.items()}),
+        }
+        if not self.r.hsetnx(key, "run_id", manifest.run_id):
+            return False
+        done = set(done_shards)
+        pipe = self.r.pipeline()
+        pipe.hset(key, mapping=record)
+        pipe.sadd(f"{self.p}:runs", manifest.run_id)
+        states = {str(s.shard_id): ("done" if s.shard_id in done else "queued") for s in manifest.shards}
+        if states:
+            pipe.hset(self.run_key(manifest.run_id, "shards"), mapping=states)
+        pipe.execute()
+        return True
+
+    def run_ids(self) -> list[str]:
+        return sorted(self.r.smembers(f"{self.p}:runs"))
+
+    def run_record(self, run_id: str) -> dict | None:
+        rec = self.r.hgetall(self.run_key(run_id))
+        return rec or None
+
+    def shard_states(self, run_id: str) -> dict[int, str]:
+        return {int(k): v for k, v in self.r.hgetall(self.run_key(run_id, "shards")).items()}
+
+    def set_shard_state(self, run_id: str, shard_id: int, state: str) -> None:
+        assert state in SHARD_STATES
+        self.r.hset(self.run_key(run_id, "shards"), str(shard_id), state)
+
+    # --- progress -----------------------------------------------------------------------------------
+    def set_progress(
+        self,
+        run_id: str,
+        shard_id: int,
+        *,
+        num_finished: int,
+        num_failed: int,
+        num_tokens: int,
+        per_source_finished: dict[str, int],
+        per_source_failed: dict[str, int],
+        per_source_tokens: dict[str, int] | None = None,
+    ) -> None:
+        """Record how much of a shard is durable. Idempotent: values are set, not added."""
+        sid = str(shard_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.run_key(run_id, "progress"), sid, num_finished)
+        pipe.hset(self.run_key(run_id, "failed"), sid, num_failed)
+        pipe.hset(self.run_key(run_id, "tokens"), sid, num_tokens)
+        if per_source_finished:
+            pipe.hset(
+                self.run_key(run_id, "srcdone"),
+                mapping={f"{sid}|{k}": v for k, v in per_source_finished.items()},
+            )
+        for suffix, values in (("srcfailed", per_source_failed), ("srctokens", per_source_tokens)):
+            if values:
+                pipe.hset(self.run_key(run_id, suffix), mapping={f"{sid}|{k}": v for k, v in values.items()})
+        pipe.execute()
+
+    def run_counters(self, run_id: str) -> RunCounters:
+        """Every progress counter of a run, summed over its shards, read in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for suffix in ("shards", "progress", "failed", "tokens", "srcdone", "srcfailed", "srctokens"):
+            pipe.hgetall(self.run_key(run_id, suffix))
+        shards, progress, failed, tokens, srcdone, srcfailed, srctokens = pipe.execute()
+        return RunCounters(
+            shard_states={int(k): v for k, v in shards.items()},
+            prompts_done=sum(int(v) for v in progress.values()),
+            prompts_failed=sum(int(v) for v in failed.values()),
+            tokens=sum(int(v) for v in tokens.values()),
+            done_by_source=_sum_by_source(srcdone),
+            failed_by_source=_sum_by_source(srcfailed),
+            tokens_by_source=_sum_by_source(srctokens),
+        )
+
+    def add_rate_tokens(self, run_id: str, per_source: dict[str, int], now: float | None = None) -> None:
+        """Feed the tokens/s figures (fields "<second>" and "<second>|<source>"); a rate, not a total, so
+        a redo after a crash only blips it."""
+        per_source = {k: v for k, v in per_source.items() if v > 0}
+        if not per_source:
+            return
+        sec = str(int(now or time.time()))
+        key = self.run_key(run_id, "rate")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(key, sec, sum(per_source.values()))
+        for src, n in per_source.items():
+            pipe.hincrby(key, f"{sec}|{src}", n)
+        pipe.expire(key, RATE_WINDOW_S * 2)
+        pipe.execute()
+
+    def tokens_last_window(
+        self, run_id: str, window_s: int = 60, now: float | None = None
+    ) -> tuple[int, dict[str, int]]:
+        """Tokens finished in the last window_s seconds: the run's total and per source."""
+        now_s = int(now or time.time())
+        data = self.r.hgetall(self.run_key(run_id, "rate"))
+        total, by_source, stale = 0, defaultdict(int), []
+        for field, value in data.items():
+            sec, _, src = field.partition("|")
+            if int(sec) < now_s - RATE_WINDOW_S:
+                stale.append(field)
+            elif now_s - window_s < int(sec) <= now_s:
+                if src:
+                    by_source[src] += int(value)
+                else:
+                    total += int(value)
+        if stale:
+            self.r.hdel(self.run_key(run_id, "rate"), *stale)
+        return total, dict(by_source)
+
+    # --- shard completion ---------------------------------------------------------------------------
+    def mark_shard_done(self, event: ShardDoneEvent) -> bool:
+        """Mark the shard done and append its shard_done event, once. Returns False if it already was.
+        Readers parse the entry back with read_shard_done."""
+        first = bool(self._mark_done(keys=[self.run_key(event.run_id, "shards")], args=[str(event.shard_id)]))
+        if first:
+            self.r.xadd(self.events_key(event.run_id), {"type": "shard_done", **_flat(event.model_dump())})
+            if self.all_shards_done(event.run_id):
+                self.r.xadd(self.events_key(event.run_id), {"type": "run_done", "run_id": event.run_id})
+        return first
+
+    def all_shards_done(self, run_id: str) -> bool:
+        states = self.shard_states(run_id)
+        return bool(states) and all(s == "done" for s in states.values())
+
+    # --- leases -------------------------------------------------------------------------------------
+    def acquire_lease(self, run_id: str, shard_id: int, owner: str) -> bool:
+        ttl_ms = int(self.settings.lease_ttl_s * 1000)
+        return bool(self.r.set(self.lease_key(run_id, shard_id), owner, nx=True, px=ttl_ms))
+
+    def extend_lease(self, run_id: str, shard_id: int, owner: str) -> bool:
+        ttl_ms = int(self.settings.lease_ttl_s * 1000)
+        return bool(self._extend(keys=[self.lease_key(run_id, shard_id)], args=[owner, ttl_ms]))
+
+    def release_lease(self, run_id: str, shard_id: int, owner: str) -> None:
+        self._release(keys=[self.lease_key(run_id, shard_id)], args=[owner])
+
+    def lease_holder(self, run_id: str, shard_id: int) -> str | None:
+        return self.r.get(self.lease_key(run_id, shard_id))
+
+    def lease_left_s(self, run_id: str, shard_id: int) -> float | None:
+        """Seconds until the shard's lease runs out by itself; None when no lease is held."""
+        ttl_ms = self.r.pttl(self.lease_key(run_id, shard_id))
+        return ttl_ms / 1000 if ttl_ms > 0 else None
+
+
+def read_shard_done(fields: Mapping[str, str]) -> ShardDoneEvent | None:
+    """A stream entry as mark_shard_done wrote it, back as its event; None for an entry of another type.
+    Raises pydantic.ValidationError for a shard_done entry its schema refuses."""
+    if fields.get("type") != "shard_done":
+        return None
+    # _flat stored every non-string as JSON text: the schema's lax mode reads the numbers back.
+    return ShardDoneEvent.model_validate({k: v for k, v in fields.items() if k != "type"})
+
+
+def _sum_by_source(hash_: dict[str, str]) -> dict[str, int]:
+    """Fields "<shard>|<source>" summed per source."""
+    out: dict[str, int] = defaultdict(int)
+    for k, v in hash_.items():
+        out[k.split("|", 1)[1]] += int(v)
+    return dict(out)
+
+
+def _flat(d: dict) -> dict[str, str]:
+    return {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in d.items()}

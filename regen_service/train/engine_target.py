@@ -1,0 +1,242 @@
+"""The target backend served by vLLM: hidden states from an engine that holds the target, not a local copy.
+
+A 1T-parameter MoE (Kimi-K2.5) fits no trainer process; vLLM holds it with tensor/expert parallelism and,
+started with the `extract_hidden_states` method (deploy/launch_vllm.py), captures the residual stream
+entering the aux layers plus the last layer's output. For each training sequence this backend sends the
+token ids to `/v1/completions` (one token generated), waits on the flock of the file the engine names in
+`kv_transfer_params.hidden_states_path` (vllm_connector.py writes it), and reads `hidden_states`
+[T, 4, H]: the three aux layers, concatenated to [T, 3H] as HFTarget gives them, and the final layer,
+through the target's own final norm and lm_head (the only target weights loaded here, with the
+embedding the draft shares) to the target's prediction per position. The files must be on a filesystem
+this process reads (the engine's host; /dev/shm is fastest); each is deleted once read. Which shards to
+train on, and the training itself, are the runner's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import torch
+
+from regen_service.errors import ConfigError, RegenError
+from regen_service.train.target import TargetBackend, checked_aux_layer_ids, head_outputs
+
+
+class EngineStateError(RegenError):
+    """The engine did not deliver the hidden states of a sequence (down, misconfigured, file missing)."""
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index when the checkpoint is sharded."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update(dict.fromkeys(st.keys(), f))
+    return out
+
+
+def _pick(names: dict[str, Path], suffix: str, what: str, where: Path) -> str:
+    # Multimodal targets (Kimi-K2.5) prefix the text model (`language_model.`); vision towers have
+    # their own norms, so the shortest name with the suffix outside a vision tower is the text model's.
+    found = sorted((n for n in names if n.endswith(suffix) and "vision" not in n), key=len)
+    if not found:
+        raise ConfigError(f"--target {where}: no tensor named *{suffix} ({what}) in its safetensors files")
+    return found[0]
+
+
+def load_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """embed_tokens, the final norm and lm_head of a local checkpoint, without loading the rest."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    names = _weight_files(p)
+    if not names:
+        raise ConfigError(f"--target {p}: no *.safetensors weights there (the trainer reads the embedding)")
+    keys = {
+        "embed": _pick(names, "embed_tokens.weight", "the input embedding", p),
+        "norm": _pick(names, "model.norm.weight", "the final norm", p),
+    }
+    lm_head = [n for n in names if n.endswith("lm_head.weight")]
+    keys["lm_head"] = min(lm_head, key=len) if lm_head else keys["embed"]  # tied embeddings
+    out = {}
+    for role, name in keys.items():
+        with safe_open(str(names[name]), "pt") as st:
+            out[role] = st.get_tensor(name)
+    return out
+
+
+def read_state_file(path: str) -> dict[str, torch.Tensor]:
+    """The engine's file, once its writer released the lock (vLLM's own `load_hidden_states` protocol)."""
+    from safetensors.torch import load_file
+
+    lock = path + ".lock"
+    try:
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps until the engine's writer releases LOCK_EX
+            data = load_file(path, device="cpu")
+    except FileNotFoundError as e:
+        raise EngineStateError(
+            f"the engine wrote hidden states to {path}, which this trainer cannot read ({e.strerror}): run "
+            "the trainer on the engine's host, or set the engine's shared_storage_path to a shared filesystem"
+        ) from None
+    for f in (path, lock):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+    return data
+
+
+class VllmTarget(TargetBackend):
+    """Same interface as target.HFTarget: forward(input_ids, attention_mask) -> (aux [B,T,3H], argmax [B,T])."""
+
+    def __init__(
+        self,
+        path: str,
+        endpoint: str,
+        device: str | torch.device = "cpu",
+        aux_layer_ids: list[int] | None = None,
+        *,
+        model: str | None = None,
+        num_parallel_requests: int = 8,
+        request_timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ):
+        self.path = path
+        self.device = torch.device(device)
+        # config.json read as data: the engine runs the target's code (Kimi-K2.5's is remote code), the
+        # trainer only needs its text model's sizes, so it never imports the folder's Python.
+        try:
+            raw = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--target {path}: not a local model directory with a config.json ({e})") from e
+        tc = SimpleNamespace(**(raw.get("text_config") or raw))
+        self.text_config = tc
+        self.num_layers: int = tc.num_hidden_layers
+        self.hidden_size: int = tc.hidden_size
+        self.vocab_size: int = tc.vocab_size
+        self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, self.num_layers)
+        w = load_head_weights(path)
+        self._embed = w["embed"]
+        # Kimi-K2.5's head is 163840 x 7168: bf16 on a GPU (2.3 GB), fp32 where the CPU computes it.
+        head_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self._norm_w = w["norm"].to(self.device, torch.float32)
+        self._lm_head = w["lm_head"].to(self.device, head_dtype)
+        self._eps = float(getattr(tc, "rms_norm_eps", 1e-6))
+        self.endpoint = endpoint.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=self.endpoint,
+            headers=headers,
+            timeout=request_timeout_s,
+            limits=httpx.Limits(max_connections=num_parallel_requests),
+        )
+        self._pool = ThreadPoolExecutor(num_parallel_requests, thread_name_prefix="regen-states")
+        self.model = model or self._served_model()
+        self._check_capture()
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self._embed
+
+    def _served_model(self) -> str:
+        try:
+            data = self._http.get("/v1/models").json().get("data") or []
+        except (httpx.HTTPError, ValueError) as e:
+            raise ConfigError(f"--target-endpoint {self.endpoint}: no vLLM answers there ({e})") from None
+        if not data:
+            raise ConfigError(f"--target-endpoint {self.endpoint} serves no model")
+        return data[0]["id"]
+
+    def _check_capture(self) -> None:
+        """One short sequence: the engine must capture aux layers + the last layer, and the last one must
+        predict what the engine itself generates (else the layers it captures are not the ones we train on)."""
+        probe = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]) % self.vocab_size
+        states, generated = self._states(probe[0].tolist())
+        if states.shape[1] != 4 or states.shape[2] != self.hidden_size:
+            raise ConfigError(
+                f"--target-endpoint {self.endpoint} captures hidden states of shape {list(states.shape)}, not "
+                f"[T, 4, {self.hidden_size}] (the three aux layers and the last layer): start it with "
+                "`regen launch-vllm --target ... --hidden-states DIR`, which sets eagle_aux_hidden_state_layer_ids "
+                f"to {[*self.aux_layer_ids, self.num_layers]}"
+            )
+        if int(self._logits(states[-1:, 3]).argmax(-1)) != generated:
+            raise ConfigError(
+                f"--target-endpoint {self.endpoint}: the last captured layer does not predict what the engine "
+                f"generates: it serves another model than {self.path}, or captures other layers than "
+                f"{[*self.aux_layer_ids, self.num_layers]}; restart it with `regen launch-vllm`"
+            )
+
+    def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        body = {
+            "model": self.model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        try:
+            r = self._http.post("/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            raise EngineStateError(f"{self.endpoint}: {type(e).__name__} {e}") from None
+        if r.status_code != 200:
+            raise EngineStateError(f"{self.endpoint} answered {r.status_code}: {r.text[:300]}")
+        data = r.json()
+        path = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ConfigError(
+                f"--target-endpoint {self.endpoint} returns no hidden_states_path: it runs without the "
+                "extract_hidden_states method; start it with `regen launch-vllm --target ... --hidden-states DIR`"
+            )
+        got = read_state_file(path)
+        if got["token_ids"].tolist() != ids:
+            raise EngineStateError(f"{path} holds another sequence's states than the one sent")
+        return got["hidden_states"], int(data["choices"][0]["token_ids"][0])
+
+    def _normed(self, last: torch.Tensor) -> torch.Tensor:
+        x = last.to(self.device, torch.float32)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps) * self._norm_w
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return self._normed(last).to(self._lm_head.dtype) @ self._lm_head.T
+
+    @torch.no_grad()
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        draft_token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """As HFTarget.states: the last captured layer through the final norm and only the draft rows of
+        lm_head for the draft-vocab logits (the full head only for the argmax, a chunk at a time)."""
+        b, t = input_ids.shape
+        lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [t] * b
+        seqs = [input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
+        results = list(self._pool.map(self._states, seqs))
+        aux = torch.zeros(b, t, 3 * self.hidden_size, dtype=torch.bfloat16, device=self.device)
+        pred = torch.zeros(b, t, dtype=torch.int64, device=self.device)
+        draft = None
+        if draft_token_ids is not None:
+            draft = torch.zeros(b, t, len(draft_token_ids), dtype=torch.float32, device=self.device)
+        for i, (states, _) in enumerate(results):
+            n = states.shape[0]
+            aux[i, :n] = states[:, :3].reshape(n, -1).to(self.device, aux.dtype)
+            p, d = head_outputs(self._normed(states[:, 3])[None], self._lm_head, draft_token_ids)
+            pred[i, :n] = p[0]
+            if draft is not None:
+                draft[i, :n] = d[0]
+        return aux, pred, draft
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._http.close()

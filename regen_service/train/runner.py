@@ -1,0 +1,343 @@
+"""`regen train`: train the draft from a run's output shards as they land (single process or torchrun).
+
+Rank 0 owns the stream (consumer.ShardFeed) and broadcasts each shard reference; every rank reads
+that shard and trains on its stride share (rank::world), all ranks running the same number of steps
+(a rank short of data repeats a batch with loss weight 0). The draft vocabulary is counted on rank
+0 over the first `vocab_shards` shards (or `vocab_tokens` tokens), broadcast, and frozen. Only rank
+0 writes checkpoints, and acks stream entries after the checkpoint listing them exists; a restart
+resumes from `latest` (including the batch position inside a shard when checkpoint_every_steps is
+set). Target states come from target.HFTarget (a local copy) or engine_target.VllmTarget (a vLLM engine
+holding the target), as `target_backend` says.
+
+A shard's file is found from (run, shard) under THIS trainer's data root (RunLayout); the `path` a
+stream event carries is never opened (anyone who can write the stream could point it anywhere). A
+shard that cannot be read (missing, not Parquet, wrong schema) is logged as an error, recorded in
+metrics.jsonl and the checkpoint's `bad_shards`, and acked: it never stops the trainer, restarts
+included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from regen_service.errors import ConfigError
+from regen_service.remote_code import load_tokenizer, require_opt_in
+from regen_service.settings import Settings
+from regen_service.state.ledger import Ledger
+from regen_service.state.storage import RunLayout, Storage
+from regen_service.train import data as D
+from regen_service.train.checkpoint import load_latest, save_checkpoint
+from regen_service.train.config import TrainConfig
+from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
+from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
+from regen_service.train.preflight import check_train_config
+from regen_service.train.target import HFTarget
+from regen_service.train.train import DraftTrainer, draft_config_for
+from regen_service.train.vocab import VocabCounter, build_vocab, coverage
+
+# What reading a planted or broken shard raises: missing file, not Parquet (ArrowInvalid is a
+# ValueError), another schema version (ValueError), missing columns (KeyError), wrong types.
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError)
+
+log = logging.getLogger(__name__)
+TRUST_SETTING = "regen train --trust-remote-code (or trust_remote_code: true in train.yaml)"
+
+
+def make_target(path: str, cfg: TrainConfig, device):
+    """The backend that gives target states: a local HF copy, or the vLLM engine holding the target."""
+    if cfg.target_backend == "vllm":
+        from regen_service.train.engine_target import VllmTarget
+
+        return VllmTarget(
+            path,
+            cfg.target_endpoint,
+            device,
+            cfg.aux_layer_ids,
+            num_parallel_requests=cfg.target_num_parallel_requests,
+            request_timeout_s=cfg.target_request_timeout_s,
+        )
+    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids, trust_remote_code=cfg.trust_remote_code)
+
+
+def train_from_run(
+    settings: Settings,
+    run_id: str,
+    target_path: str,
+    out_dir: str,
+    cfg: TrainConfig,
+    *,
+    follow: bool = False,
+    group: str = "trainer",
+    consumer: str | None = None,
+    device: str | None = None,
+) -> dict:
+    """Train until the stream has nothing more (with follow: until the run is done). Returns a summary."""
+    # Before any weight is loaded or process group started: first whether the folder's code may run at
+    # all, then whether the config fits the target.
+    require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)
+    check_train_config(cfg, target_path)
+    ctx = init_distributed(device)
+    try:
+        return _Run(settings, run_id, target_path, out_dir, cfg, ctx, follow, group, consumer).run()
+    finally:
+        shutdown(ctx)
+
+
+class _Run:
+    def __init__(
+        self, settings, run_id, target_path, out_dir, cfg, ctx: DistContext, follow, group, consumer
+    ):
+        self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
+        self.out = Path(out_dir).resolve()
+        self.storage = Storage(settings.data_root)
+        self.target = make_target(target_path, cfg, ctx.device)
+        self.target_path = target_path
+        self._renderer = None
+        ckpt = load_latest(self.out)
+        if ckpt and (
+            ckpt["aux_layer_ids"] != self.target.aux_layer_ids
+            or ckpt["target_num_layers"] != self.target.num_layers
+        ):
+            raise ConfigError(
+                f"{self.out}: checkpoint was trained on other target layers ({ckpt['aux_layer_ids']})"
+            )
+        self.consumed: list[tuple[str, int]] = [tuple(k) for k in ckpt["consumed_shards"]] if ckpt else []
+        self.in_progress: dict | None = ckpt["in_progress"] if ckpt else None
+        self.vocab_stats: dict | None = ckpt.get("vocab_stats") if ckpt else None
+        self.bad_shards: list[dict] = list(ckpt.get("bad_shards") or []) if ckpt else []
+        self.feed = None
+        total = cfg.total_steps
+        if ctx.is_main:
+            ledger = Ledger(settings)
+            name = consumer or default_consumer_name(str(self.out))
+            self.feed = ShardFeed(ledger, run_id, group, name, cfg.claim_idle_s, cfg.poll_s)
+            if total is None:
+                rec = ledger.run_record(run_id)
+                if rec is None:
+                    raise ConfigError(
+                        f"run {run_id} is unknown to the ledger; set total_steps in the train config"
+                    )
+                total = math.ceil(int(rec["num_prompts"]) * cfg.epochs / (cfg.batch_size * ctx.world))
+        total = broadcast_object(max(1, int(total or 1)), ctx)
+        self.trainer = DraftTrainer(
+            cfg, draft_config_for(self.target.text_config, cfg), self.target.embed_weight, ctx, total
+        )
+        if ckpt:
+            self.trainer.load_state(ckpt)
+        self._last_saved_step = self.trainer.step if ckpt else -1
+        self._saved_bad = len(self.bad_shards)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self._cache: dict[str, list[D.Example]] = {}  # rank 0: examples read while picking a shard
+
+    def _draft_ids(self):
+        """Target ids of the draft vocabulary for soft targets (the target's logits over them); None = hard."""
+        if self.cfg.target != "soft":
+            return None
+        d = self.trainer.draft
+        return d.draft_to_target(torch.arange(d.config.draft_vocab_size, device=d.d2t.device))
+
+    # --- shards -------------------------------------------------------------------------------------
+    def _renderer_factory(self):
+        if self._renderer is None:
+            tok = load_tokenizer(
+                self.target_path, trust_remote_code=self.cfg.trust_remote_code, setting=TRUST_SETTING
+            )
+            self._renderer = D.ChatRenderer(tok)
+        return self._renderer
+
+    def _samples(self) -> str:
+        if self.cfg.samples == "auto":  # follow what the target's template does, decided once
+            per_gen = self._renderer_factory().drops_thinking
+            self.cfg = self.cfg.model_copy(
+                update={"samples": "per_generation" if per_gen else "conversation"}
+            )
+            log.info("training samples: %s (from the target's chat template)", self.cfg.samples)
+        return self.cfg.samples
+
+    def _examples(self, ref: ShardRef) -> list[D.Example] | None:
+        """The shard's examples, read from our own data root; None (recorded, acked) if unreadable."""
+        path = RunLayout(self.storage, ref.run_id).output_shard(ref.shard_id)
+        samples = self._samples()  # a tokenizer that cannot load is the config's fault, not the shard's
+        try:
+            examples, stats = D.table_examples(
+                self.storage.read_table(path), self._renderer_factory, self.cfg.max_length, samples
+            )
+        except _UNREADABLE as e:
+            if not self.ctx.is_main:
+                raise  # rank 0 read the same file first and found it good
+            self._bad_shard(ref, path, e)
+            return None
+        if self.ctx.is_main:
+            log.info("shard %s/%d: %s", ref.run_id, ref.shard_id, stats)
+        return examples
+
+    def _bad_shard(self, ref: ShardRef, path: str, err: BaseException) -> None:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
+        log.error(
+            "shard %s/%d cannot be trained on and is skipped (%s): %s", ref.run_id, ref.shard_id, path, reason
+        )
+        rec = {"run_id": ref.run_id, "shard_id": ref.shard_id, "path": path, "reason": reason}
+        self.bad_shards.append(rec)
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"bad_shard": rec}) + "\n")
+        self.feed.ack({ref.key})  # acked now: a restart must not meet it again
+
+    def _next_local(self) -> ShardRef | None:
+        """The next shard not yet consumed whose examples load (cached for the training step)."""
+        done = set(self.consumed)
+        while (ref := self.feed.next(self.follow)) is not None:
+            if ref.key in done:
+                self.feed.ack({ref.key})  # checkpointed before a kill, never acked: ack now, do not retrain
+                continue
+            examples = self._examples(ref)
+            if examples is not None:
+                self._cache[ref.entry_id] = examples
+                return ref
+        return None
+
+    # --- main loop ----------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cache = self._cache
+        first: list[ShardRef] = []
+        if self.vocab_stats is None:
+            vocab = self._build_vocab(first, cache) if self.ctx.is_main else None
+            vocab = broadcast_object(vocab, self.ctx)
+            if vocab is None:
+                return self._close({"steps": 0, "consumed": 0, "checkpoint": None, "reason": "no shards"})
+            d2t, t2d, self.vocab_stats = vocab
+            self.trainer.set_vocab(d2t, t2d)
+        while True:
+            ref = (first.pop(0) if first else self._next_local()) if self.ctx.is_main else None
+            ref_d = broadcast_object(None if ref is None else asdict(ref), self.ctx)
+            if ref_d is None:
+                break
+            ref = ShardRef(**ref_d)
+            examples = cache.pop(ref.entry_id) if ref.entry_id in cache else self._examples(ref)
+            self._train_shard(ref, examples)
+            if self.ctx.is_main:
+                if self.feed.still_ours(ref):
+                    self.consumed.append(ref.key)
+                else:
+                    log.warning(
+                        "shard %s was taken over by another trainer; not recorded as consumed", ref.key
+                    )
+                if len(self.consumed) % self.cfg.checkpoint_every_shards == 0:
+                    self._checkpoint(None)
+        if self.ctx.is_main and (
+            self.trainer.step != self._last_saved_step or len(self.bad_shards) != self._saved_bad
+        ):
+            self._checkpoint(None)
+        consumed = broadcast_object(len(self.consumed), self.ctx)  # rank 0 alone keeps the list
+        latest = self.out / "checkpoints" / "latest"
+        return self._close(
+            {
+                "steps": self.trainer.step,
+                "consumed": consumed,
+                "checkpoint": latest.read_text().strip() if latest.exists() else None,
+                "vocab": self.vocab_stats,
+                "bad_shards": len(self.bad_shards),
+            }
+        )
+
+    def _close(self, summary: dict) -> dict:
+        if self.feed is not None:
+            self.feed.close()
+        self.target.close()
+        return summary
+
+    def _build_vocab(self, first: list[ShardRef], cache: dict):
+        counter = VocabCounter(self.target.vocab_size)
+        while len(first) < self.cfg.vocab_shards and not (
+            self.cfg.vocab_tokens and counter.tokens >= self.cfg.vocab_tokens
+        ):
+            ref = self._next_local()
+            if ref is None:
+                break
+            for ex in cache[ref.entry_id]:
+                counter.add(ex.ids, ex.mask)
+            first.append(ref)
+        if not first:
+            return None
+        d2t, t2d = build_vocab(counter.counts, self.cfg.draft_vocab_size)
+        stats = {
+            "shards": [list(r.key) for r in first],
+            "tokens": counter.tokens,
+            "distinct": int((counter.counts > 0).sum()),
+            "coverage": round(coverage(counter.counts, t2d), 6),
+        }
+        log.info("draft vocabulary built and frozen: %s", stats)
+        return d2t, t2d, stats
+
+    def _train_shard(self, ref: ShardRef, examples: list[D.Example]) -> None:
+        cfg, ctx, tr = self.cfg, self.ctx, self.trainer
+        ip = self.in_progress
+        epoch0, batch0 = (
+            (ip["epoch"], ip["next_batch"]) if ip and (ip["run_id"], ip["shard_id"]) == ref.key else (0, 0)
+        )
+        self.in_progress = None
+        for epoch in range(epoch0, cfg.epochs):
+            exs = D.shuffled(examples, cfg.seed, ref.shard_id, epoch)
+            batches, n = D.rank_batches(exs, cfg.batch_size, ctx.rank, ctx.world)
+            for b in range(batch0 if epoch == epoch0 else 0, n):
+                chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [exs[:1]])[0], 0.0)
+                batch = D.collate(chunk)
+                aux, tgt, dl = self.target.states(
+                    batch["input_ids"], batch["attention_mask"], self._draft_ids()
+                )
+                metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl)
+                if tr.step % cfg.log_every_steps == 0:
+                    self._log(tr.log_record(metrics), ref, epoch)
+                mid_shard = b + 1 < n or epoch + 1 < cfg.epochs
+                if (
+                    ctx.is_main
+                    and cfg.checkpoint_every_steps
+                    and tr.step % cfg.checkpoint_every_steps == 0
+                    and mid_shard
+                ):
+                    pos = {
+                        "run_id": ref.run_id,
+                        "shard_id": ref.shard_id,
+                        "epoch": epoch,
+                        "next_batch": b + 1,
+                    }
+                    if b + 1 >= n:
+                        pos.update(epoch=epoch + 1, next_batch=0)
+                    self._checkpoint(pos)
+
+    def _log(self, rec: dict, ref: ShardRef, epoch: int) -> None:
+        if not self.ctx.is_main:
+            return
+        rec.update(shard=ref.shard_id, epoch=epoch, world=self.ctx.world)
+        log.info(
+            "step %d loss %.4f acc0 %.3f lr %.2e", rec["step"], rec["loss"], rec.get("acc_0", 0.0), rec["lr"]
+        )
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def _checkpoint(self, in_progress: dict | None) -> None:
+        state = self.trainer.state()
+        state.update(
+            aux_layer_ids=list(self.target.aux_layer_ids),
+            target_num_layers=self.target.num_layers,
+            train_config=self.cfg.model_dump(mode="json"),
+            consumed_shards=[list(k) for k in self.consumed],
+            in_progress=in_progress,
+            vocab_stats=self.vocab_stats,
+            bad_shards=self.bad_shards,
+            target_path=str(self.target_path),
+            run_id=self.run_id,
+            torch_version=str(torch.__version__),  # a plain str: weights_only loads it
+        )
+        path = save_checkpoint(self.out, state, keep=self.cfg.keep_checkpoints)
+        self._last_saved_step = self.trainer.step
+        self._saved_bad = len(self.bad_shards)
+        acked = self.feed.ack(set(self.consumed))
+        log.info("checkpoint %s (%d shards consumed, %d acked now)", path.name, len(self.consumed), acked)

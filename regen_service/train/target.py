@@ -1,0 +1,144 @@
+"""The target backend: a Hugging Face causal LM from a local path, run without gradients.
+
+It gives what the draft trains on: the three auxiliary hidden states (INPUTS of layers
+`aux_layer_ids`, SGLang's convention; default [2, L//2, L-3], i.e. hidden_states[2], [L//2], [L-3]
+of output_hidden_states, where hidden_states[0] is the embedding output) concatenated to 3H, and
+the target's greedy next token per position; `states(..., draft_token_ids=...)` also gives the
+target's logits over the draft vocabulary (soft targets), from the final hidden state through only
+those rows of lm_head, position chunk by position chunk (`head_outputs`, shared with the vLLM
+backend), so no [B, T, V] fp32 logits of a 163840-token vocabulary exist. Multimodal targets keep the text model's config under
+`text_config`; sizes are read from there. Never downloads (local_files_only). Serving the target
+through SGLang for training is left to others; this backend is the HF one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from regen_service.errors import ConfigError
+from regen_service.train import sglang_format as fmt
+
+
+def text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return fmt.default_aux_inputs(num_layers)
+
+
+def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """The layer inputs to capture (the default when None); refused unless three distinct, increasing
+    inputs of the target's layers, so a draft trained here can be served with the same tensors."""
+    if num_layers < 4:
+        raise ConfigError(
+            f"the target has {num_layers} layers; EAGLE-3 needs three distinct aux layers (>= 4)"
+        )
+    ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(num_layers)
+    problem = fmt.aux_input_problem(ids, num_layers)
+    if problem is not None:
+        raise ConfigError(
+            f"aux_layer_ids: {problem[1]}; set three distinct increasing ids in 1..{num_layers - 1}"
+        )
+    return ids
+
+
+HEAD_CHUNK_ELEMS = 1 << 26  # logits elements per position chunk (the full-vocab argmax)
+
+
+@torch.no_grad()
+def head_outputs(
+    hidden: torch.Tensor, head: torch.Tensor, draft_token_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [B, T, H] (after the final norm), head [V, H] (lm_head) -> (argmax [B, T] over the full
+    vocabulary, logits over the draft vocabulary [B, T, N] fp32 or None). Full-vocab logits are made
+    a chunk of positions at a time in the head's dtype, only for the argmax."""
+    b, t, h = hidden.shape
+    x = hidden.reshape(b * t, h).to(head.dtype)
+    pred = torch.empty(b * t, dtype=torch.int64, device=x.device)
+    chunk = max(1, HEAD_CHUNK_ELEMS // head.shape[0])
+    for s in range(0, b * t, chunk):
+        pred[s : s + chunk] = (x[s : s + chunk] @ head.T).argmax(-1)
+    draft = None
+    if draft_token_ids is not None:
+        draft = (x @ head[draft_token_ids.to(head.device)].T).float().reshape(b, t, -1)
+    return pred.reshape(b, t), draft
+
+
+class TargetBackend:
+    """What the trainer asks of a target backend (HFTarget here, engine_target.VllmTarget): `states`
+    (aux hidden, greedy next token, draft-vocab logits), plus the sizes and the embedding it shares."""
+
+    def states(self, input_ids, attention_mask=None, draft_token_ids=None):
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (aux hidden [B, T, 3H], target's greedy next token per position [B, T])."""
+        aux, pred, _ = self.states(input_ids, attention_mask)
+        return aux, pred
+
+    __call__ = forward
+
+    def close(self) -> None:
+        """Nothing to release by default (the engine backend closes its connections)."""
+
+
+class HFTarget(TargetBackend):
+    def __init__(
+        self,
+        path: str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        aux_layer_ids: list[int] | None = None,
+        model=None,
+        trust_remote_code: bool = False,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        self.device = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if model is None:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, dtype=dtype, trust_remote_code=trust_remote_code
+                )
+            except OSError as e:
+                raise ConfigError(f"--target {path}: not a local Hugging Face model directory ({e})") from e
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        tc = text_config(self.model.config)
+        self.num_layers: int = tc.num_hidden_layers
+        self.hidden_size: int = tc.hidden_size
+        self.vocab_size: int = tc.vocab_size
+        self.text_config = tc
+        self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, self.num_layers)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @torch.no_grad()
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        draft_token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """-> (aux hidden [B, T, 3H], greedy next token [B, T], logits over `draft_token_ids` [B, T, N] or None)."""
+        # the base model, not the causal LM: its last hidden state (after the final norm) goes through
+        # lm_head here, a chunk at a time, instead of the LM's full [B, T, V] logits
+        out = self.model.get_decoder()(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hs = out.hidden_states
+        aux = torch.cat([hs[i] for i in self.aux_layer_ids], -1)
+        pred, draft = head_outputs(
+            out.last_hidden_state, self.model.get_output_embeddings().weight, draft_token_ids
+        )
+        return aux, pred, draft

@@ -1,0 +1,258 @@
+"""The training step: the draft built from the target's shapes, AdamW, warmup+cosine, clipping, bf16.
+
+`DraftTrainer` owns the model, optimizer and schedule and turns (target states, ids, masks, and the
+target's draft-vocab distribution for soft targets) into one optimizer step; it knows nothing about
+Redis or shards (runner.py feeds it; the GPU benchmark feeds it synthetic states). On a GPU with
+`bf16` the parameters are bf16 (the frozen target embedding too: no fp32 copy of it) and AdamW
+steps fp32 master weights (optim.py); attention is flex (flexattn.py). The CPU keeps fp32 and the
+eager attention. Under torchrun the TTT module is wrapped in DistributedDataParallel. Imports
+torch only; `cfg` is a TrainConfig or any object with the same attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from regen_service.train import flexattn
+from regen_service.train.dist import DistContext, all_reduce_mean
+from regen_service.train.model import DraftConfig, Eagle3Draft
+from regen_service.train.optim import MasterWeights
+from regen_service.train.ttt import TTTModule
+
+log = logging.getLogger(__name__)
+
+# head dims the serving attention kernels take (FlashInfer/FA3 in SGLang: 64, 128, 256)
+SERVED_HEAD_DIMS = (64, 128, 256)
+
+
+def served_heads(hidden: int, heads: int) -> tuple[int, int]:
+    """(heads, head_dim) with a served head dim: the target's split when it is served, else head_dim 128
+    with hidden // 128 heads (Kimi-K2.5: 7168 / 64 = 112 is not served; 56 x 128, as the published drafts).
+    A hidden size no served head dim divides (tiny test targets) keeps the target's split, with a warning."""
+    if hidden % heads == 0 and hidden // heads in SERVED_HEAD_DIMS:
+        return heads, hidden // heads
+    for hd in (128, 64, 256):
+        if hidden % hd == 0:
+            return hidden // hd, hd
+    log.warning(
+        "draft attention: hidden_size %d splits into no served head dim %s; keeping %d heads (SGLang's "
+        "attention kernels will not serve this draft)", hidden, SERVED_HEAD_DIMS, heads,
+    )  # fmt: skip
+    return heads, hidden // heads
+
+
+def rope_scaling_of(tc) -> dict | None:
+    """The target's rope scaling (`rope_scaling`, or transformers 5's `rope_parameters` when it scales)."""
+    rs = getattr(tc, "rope_scaling", None)
+    if not rs:
+        rp = getattr(tc, "rope_parameters", None) or {}
+        rs = rp if (rp.get("rope_type") or rp.get("type") or "default") != "default" else None
+    if not rs or (rs.get("rope_type") or rs.get("type")) == "default":
+        return None
+    return {k: v for k, v in dict(rs).items() if k != "rope_theta"}
+
+
+def mla_dims_for(tc, heads: int) -> dict[str, int]:
+    """The MLA draft's attention dims: an MLA target's own (Kimi-K2.5: q_lora 1536, kv_lora 512, nope
+    128, rope 64, v 128, as lightseekorg's MLA draft), else DeepSeek-V2's proportions of the target's
+    head dim (q_lora 12x, kv_lora 4x, nope 1x, rope 1/2x, v 1x)."""
+    own = {
+        k: getattr(tc, k, None)
+        for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    }
+    if all(own.values()):
+        return {k: int(v) for k, v in own.items()}
+    hd = tc.hidden_size // heads
+    rope = max(2, hd // 2 // 2 * 2)  # even: rotary pairs
+    return {
+        "q_lora_rank": 12 * hd,
+        "kv_lora_rank": 4 * hd,
+        "qk_nope_head_dim": hd,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": hd,
+    }
+
+
+def draft_config_for(tc, cfg) -> DraftConfig:
+    """Draft shapes from the target's text config (overridable in cfg); see eagle3.md."""
+    if getattr(cfg, "draft_arch", "llama") == "mla":
+        return _mla_draft_config(tc, cfg)
+    target_heads = cfg.num_attention_heads or tc.num_attention_heads
+    heads, head_dim = served_heads(tc.hidden_size, target_heads)
+    if (heads, head_dim) != (target_heads, tc.hidden_size // target_heads):
+        log.warning(
+            "draft attention: %d heads x head_dim %d (the target's %d heads give head_dim %s, which SGLang's "
+            "attention kernels do not serve; served: %s)",
+            heads, head_dim, target_heads, tc.hidden_size / target_heads, SERVED_HEAD_DIMS,
+        )  # fmt: skip
+    kv = cfg.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or target_heads
+    if heads % kv:
+        kv = heads  # the target's kv grouping does not divide the served head count: no grouping
+    return DraftConfig(
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, **_common(tc, cfg)
+    )
+
+
+def _common(tc, cfg) -> dict:
+    rope = getattr(tc, "rope_parameters", None) or {}
+    return dict(
+        hidden_size=tc.hidden_size,
+        intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=float(getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_hidden_size=tc.hidden_size,
+        rope_scaling=rope_scaling_of(tc),
+    )
+
+
+def _mla_draft_config(tc, cfg) -> DraftConfig:
+    """The MLA draft: the target's heads (the MLA attention backend has no head-dim limit of the Llama
+    draft's kinds) and MLA dims (mla_dims_for)."""
+    heads = cfg.num_attention_heads or tc.num_attention_heads
+    dims = mla_dims_for(tc, heads)
+    return DraftConfig(
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
+        draft_arch="mla",
+        **dims,
+        **_common(tc, cfg),
+    )
+
+
+class WarmupCosine:
+    """Linear warmup, cosine decay to min_ratio at `total` steps, flat after. A class so it pickles."""
+
+    def __init__(self, total: int, warmup: int, min_ratio: float):
+        self.total, self.warmup, self.min_ratio = total, warmup, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+class DraftTrainer:
+    def __init__(self, cfg, dc: DraftConfig, embed_weight: torch.Tensor, ctx: DistContext, total_steps: int):
+        self.cfg, self.ctx, self.dc = cfg, ctx, dc
+        torch.manual_seed(cfg.seed)
+        self.bf16 = ctx.device.type == "cuda" and cfg.bf16
+        # fp32 init (the same weights whatever the dtype), then bf16 parameters where the GPU trains in bf16
+        self.draft = Eagle3Draft(dc).to(ctx.device, torch.bfloat16 if self.bf16 else torch.float32)
+        with torch.no_grad():
+            self.draft.embed_tokens.weight.copy_(
+                embed_weight.to(ctx.device, self.draft.embed_tokens.weight.dtype)
+            )
+        attn = getattr(cfg, "attention", "auto")
+        fits = flexattn.fits(torch.bfloat16 if self.bf16 else torch.float32, dc.head_dim)
+        if attn == "auto":
+            attn = "flex" if flexattn.available(ctx.device) and fits else "eager"
+        if attn == "flex" and not flexattn.available(ctx.device):
+            raise ValueError(
+                f"attention flex: needs CUDA and torch>=2.5 (device {ctx.device}); allowed here: eager"
+            )
+        if attn == "flex" and not fits:
+            raise ValueError(
+                f"attention flex: fp32 parameters with qk head dim {dc.head_dim} exceed the flex kernel's shared "
+                "memory; set bf16: true (the default) or attention: eager"
+            )
+        self.draft.set_attention(attn)
+        self.ttt = TTTModule(self.draft, cfg.ttt_length, cfg.ttt_decay)
+        self.module = (
+            DistributedDataParallel(
+                self.ttt,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )
+            if ctx.distributed
+            else self.ttt
+        )
+        self.masters = MasterWeights(list(self.draft.parameters()))
+        # fused: one kernel over all fp32 masters on CUDA (the update is memory-bound: ~12 GB a step at
+        # Llama-8B draft shapes), where foreach launches several passes
+        self.opt = torch.optim.AdamW(
+            self.masters.masters, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+            fused=ctx.device.type == "cuda",
+        )  # fmt: skip
+        warmup = max(1, int(total_steps * cfg.warmup_ratio))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, WarmupCosine(total_steps, warmup, cfg.min_lr_ratio)
+        )
+        self.step = 0
+        self._t0, self._tokens = time.perf_counter(), 0
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.draft.set_vocab(d2t, t2d)
+
+    def target_probs(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The target's distribution over the draft vocabulary (softmax of its draft-row logits), in the
+        parameters' dtype: what soft targets train on."""
+        p = torch.softmax(draft_logits.to(self.ctx.device, torch.float32), -1)
+        return p.to(self.draft.lm_head.weight.dtype)
+
+    def train_batch(
+        self, aux, input_ids, target_ids, loss_mask, weight: float = 1.0, draft_logits=None
+    ) -> dict[str, torch.Tensor]:
+        """One optimizer step. weight 0 keeps a rank with no data in lockstep without learning from it.
+        draft_logits [B,T,N]: the target's logits over the draft vocabulary (soft targets); None = hard."""
+        self.module.train()
+        dev = self.ctx.device
+        probs = None if draft_logits is None else self.target_probs(draft_logits)
+        loss, metrics = self.module(
+            aux.to(dev), input_ids.to(dev), target_ids.to(dev), loss_mask.to(dev), probs
+        )
+        (loss * weight).backward()
+        self.masters.to_masters()
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.masters.masters, self.cfg.grad_clip)
+        self.opt.step()
+        self.masters.to_params()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self._tokens += int(input_ids.numel()) if weight else 0
+        metrics["loss"] = loss.detach()
+        return metrics
+
+    def log_record(self, metrics: dict[str, torch.Tensor]) -> dict:
+        """Metrics averaged over ranks (collective: every rank calls it), with throughput since last call."""
+        keys = sorted(k for k in metrics if not k.startswith("tokens_"))
+        vec = all_reduce_mean(torch.stack([metrics[k].float().to(self.ctx.device) for k in keys]), self.ctx)
+        now = time.perf_counter()
+        rec = {k: round(float(v), 5) for k, v in zip(keys, vec.tolist(), strict=True)}
+        rec.update(
+            step=self.step,
+            lr=self.sched.get_last_lr()[0],
+            tok_s_rank=round(self._tokens / max(1e-9, now - self._t0), 1),
+        )
+        self._t0, self._tokens = now, 0
+        return rec
+
+    def state(self) -> dict:
+        return {
+            "draft_state_dict": self.draft.draft_state_dict(),
+            "draft_config": self.dc.to_dict(),
+            "optimizer": self.opt.state_dict(),
+            "master_weights": self.masters.state(),
+            "scheduler": self.sched.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state(self, ckpt: dict) -> None:
+        missing, unexpected = self.draft.load_state_dict(ckpt["draft_state_dict"], strict=False)
+        if unexpected or set(missing) - {"embed_tokens.weight"}:
+            raise ValueError(
+                f"checkpoint does not match the draft: missing {missing}, unexpected {unexpected}"
+            )
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.masters.load(ckpt.get("master_weights"))
+        self.sched.load_state_dict(ckpt["scheduler"])
+        self.step = int(ckpt["step"])

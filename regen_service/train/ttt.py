@@ -1,0 +1,99 @@
+"""Training-time test (TTT): the EAGLE-3 loss, unrolled over `ttt_length` draft steps.
+
+Alignment (SpecForge's): at step i the draft sits at position t with position id t + i, reads the
+embedding of token x[t+1+i], and learns the target's prediction at position t+1+i (the target's
+next token after x[t+1+i]): its distribution over the draft vocabulary (soft, `target_probs`
+[B, T, N], the EAGLE-3 objective) or its argmax (hard, when no probs are given). Step 0's hidden
+input is fc(aux hidden states of position t); step i > 0 feeds the draft's own output hidden of
+step i-1 and attends to the step-0 prefix plus its own earlier steps at the same position (the
+per-step k/v cache in model.Attention). A position counts only when the predicted token is an
+assistant token (loss_mask of x[t+2+i]) and the target's argmax is in the draft vocabulary (t2d).
+Step losses are weighted decay**i (0.8 by default), each a mean over its counted positions.
+The head and loss run once over all steps' rows (loss.head_loss, fused; `fused=False` is the
+reference: per-step fp32 logits through plain autograd). Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from regen_service.train.loss import head_loss, reference_loss
+from regen_service.train.model import Eagle3Draft
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t+k], zero past the end."""
+    if k >= x.shape[1]:
+        return torch.zeros_like(x)
+    return torch.cat([x[:, k:], x.new_zeros(x.shape[0], k)], 1)
+
+
+def ttt_loss(
+    draft: Eagle3Draft,
+    aux: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    target_probs: torch.Tensor | None = None,
+    fused: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """aux [B,T,3Ht]; input_ids, target_ids (target argmax per position), loss_mask [B,T];
+    target_probs [B,T,N] over the draft vocabulary (soft targets) or None (hard: target_ids).
+
+    Returns the weighted loss and per-step detached metrics (loss_i, acc_i, tokens_i)."""
+    b, t = input_ids.shape
+    dev = input_ids.device
+    hidden = draft.fc(aux.to(draft.fc.weight.dtype))
+    cos, sin = draft.rotary.get(t + ttt_length, dev, hidden.dtype)
+    ar = torch.arange(t, device=dev)
+    cache: list = []
+    outs, tgts, valids, weights, rows = [], [], [], [], []
+    for i in range(ttt_length):
+        tgt = draft.t2d_index[_shift(target_ids, 1 + i)]
+        valid = _shift(loss_mask, 2 + i).bool() & (tgt >= 0)
+        n = valid.sum().clamp(min=1)
+        hidden = draft.step_hidden(
+            _shift(input_ids, 1 + i), hidden, cos[None, None, i : i + t], sin[None, None, i : i + t], cache
+        )
+        outs.append(hidden)
+        tgts.append(tgt.clamp(min=0))
+        valids.append(valid)
+        weights.append(valid.float() * (decay**i) / n)
+        # soft targets: row b*T + (t+1+i) of the flattened table (clamped: rows past the end are not counted)
+        rows.append(torch.arange(b, device=dev)[:, None] * t + (ar + 1 + i).clamp(max=t - 1)[None])
+    x = draft.norm(torch.stack(outs)).flatten(0, 2)  # [steps*B*T, H]
+    tgt_all, valid_all = torch.stack(tgts).flatten(), torch.stack(valids).flatten()
+    kw = (
+        {"target_probs": target_probs.flatten(0, 1), "prob_rows": torch.stack(rows).flatten()}
+        if target_probs is not None
+        else {"target_ids": tgt_all}
+    )
+    total, ce, arg = (head_loss if fused else reference_loss)(
+        x, draft.lm_head.weight, torch.stack(weights).flatten(), **kw
+    )
+    metrics: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        per = b * t
+        for i in range(ttt_length):
+            sl = slice(i * per, (i + 1) * per)
+            v, n = valid_all[sl], valid_all[sl].sum()
+            metrics[f"loss_{i}"] = (ce[sl] * v).sum() / n.clamp(min=1)
+            metrics[f"acc_{i}"] = ((arg[sl] == tgt_all[sl]) & v).sum().float() / n.clamp(min=1)
+            metrics[f"tokens_{i}"] = n
+    return total, metrics
+
+
+class TTTModule(torch.nn.Module):
+    """The draft with the TTT loss as its forward, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, decay: float):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length, self.decay = ttt_length, decay
+
+    def forward(self, aux, input_ids, target_ids, loss_mask, target_probs=None):
+        return ttt_loss(
+            self.draft, aux, input_ids, target_ids, loss_mask, self.ttt_length, self.decay, target_probs
+        )
