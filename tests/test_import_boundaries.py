@@ -2,7 +2,9 @@
 
 schemas/ is the data contract every side reads: it depends on no client, framework or regen module.
 Entry points (workers/, regen_service/cli/) sit on top of the library: the library imports neither, so
-it can be used without them; a command line written as a string (localproc) is no import.
+it can be used without them; a command line written as a string (localproc) is no import. The stages
+import along the flow only: state (storage, ledger, queue) under everything, produce on state, work on
+produce and state, train on state; the simulator stands alone (it is the GPU server's stand-in).
 """
 
 from __future__ import annotations
@@ -64,6 +66,28 @@ def test_the_library_imports_no_entry_point():
             in_cli = cli in path.parents
             if _is_within(module, "workers") or (not in_cli and _is_within(module, "regen_service.cli")):
                 bad.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+# stage -> the stages it may not import (the flow: state <- produce <- work; state <- train; sim alone)
+STAGE_MAY_NOT = {
+    "state": ("produce", "work", "train", "deploy", "sim", "cli"),
+    "produce": ("work", "train", "deploy", "sim", "cli"),
+    "work": ("train", "deploy", "sim", "cli"),
+    "train": ("produce", "work", "deploy", "sim", "cli"),
+    "sim": ("produce", "work", "state", "train", "deploy", "cli"),
+    "deploy": ("produce", "state", "sim", "cli"),
+}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_MAY_NOT))
+def test_stages_import_along_the_flow(stage):
+    bad = []
+    for path in _files(f"regen_service/{stage}"):
+        for module in imported_modules(path):
+            for other in STAGE_MAY_NOT[stage]:
+                if _is_within(module, f"regen_service.{other}"):
+                    bad.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not bad, "\n".join(bad)
 
 
