@@ -18,7 +18,8 @@ from regen_service.work.client.http import (
     event_error,
     status_error,
 )
-from regen_service.work.client.streams import ChatStream, GenerateStream, sse_events
+from regen_service.work.client.sse import sse_events
+from regen_service.work.client.streams import ChatStream, GenerateStream
 from schemas.conversation import Message
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "regen_service" / "demo" / "tokenizer"

@@ -46,12 +46,8 @@ from regen_service.work.client.http import (
     read_limited,
 )
 from regen_service.work.client.replies import SHAPE_ERRORS, check_shape, malformed, max_events, parse_reply
-from regen_service.work.client.streams import (
-    ChatStream,
-    GenerateStream,
-    Timer,
-    read_sse,
-)
+from regen_service.work.client.sse import read_sse
+from regen_service.work.client.streams import ChatStream, GenerateStream, Timer
 
 log = logging.getLogger(__name__)
 

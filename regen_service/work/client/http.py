@@ -7,7 +7,7 @@ Classification is by status code and by the shape of the payload, never by messa
   other 4xx                   -> RowTerminalError (context length, bad request: never retried)
 An error object inside a 200 body or stream event follows its `code` / `status_code` the same way;
 one with no code at all is `UncodedStreamError` (retryable; the pool re-sends it without streaming so
-that SGLang reports the failure with a real status code; see pool.py). Parsing streams is streams.py's job.
+that SGLang reports the failure with a real status code; see pool.py). Parsing streams is sse.py's and streams.py's job.
 
 Transport: one aiohttp `ClientSession` per endpoint and purpose (`make_session`), HTTP/1.1 keep-alive,
 its connector sized to the in-flight limit so every outstanding request has its own socket and no
