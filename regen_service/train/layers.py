@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _on(x, _rms_norm)(x, self.weight, self.eps)
+        return fused_on(x, _rms_norm)(x, self.weight, self.eps)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=None)
 
 
-def _on(x: torch.Tensor, fn):
+def fused_on(x: torch.Tensor, fn):
     """fn compiled (fused elementwise kernels) on CUDA; plain on the CPU, where tests need no compiler."""
     return _compiled(fn) if x.is_cuda else fn
 
@@ -74,7 +74,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        rot = _on(x, apply_rope)
+        rot = fused_on(x, apply_rope)
         q, k = rot(q, cos, sin), rot(k, cos, sin)
         out = attend(self.impl, q, k, v, cache, 1.0 / math.sqrt(c.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -123,4 +123,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_on(x, _swiglu)(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(fused_on(x, _swiglu)(self.gate_proj(x), self.up_proj(x)))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from regen_service.train.layers import RMSNorm, _on, attend
+from regen_service.train.layers import RMSNorm, attend, fused_on
 from regen_service.train.rope import apply_rope, mla_softmax_scale
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class MLAAttention(nn.Module):
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.c.kv_lora_rank, self.rope], -1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, t, nh, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
-        rot = _on(x, apply_rope)
+        rot = fused_on(x, apply_rope)
         q_rope = rot(interleaved_to_half(q_rope), cos, sin)
         k_rope = rot(interleaved_to_half(k_rope[:, None]), cos, sin)  # one head, shared
         q = torch.cat([q_nope, q_rope], -1)
