@@ -22,9 +22,8 @@ import pyarrow as pa
 
 from regen_service.errors import ConfigError
 from regen_service.produce.reuse import plan_reuse
-from regen_service.produce.rows import tools_to_json
+from regen_service.produce.rows import prompt_row
 from regen_service.produce.sources import BadRow, Fields, RowError, normalize, prompt_id_of, read_rows
-from regen_service.produce.sources.base import Normalized
 from regen_service.produce.sources.reader import hf_kwargs
 from regen_service.state.storage import RunLayout, Storage
 from schemas.mix import MixSpec, SourceSpec
@@ -77,22 +76,6 @@ def _raw_text(raw) -> str:
     """The row as read, for the quarantine: JSON, at most 4 KiB of UTF-8 (surrogates become '?')."""
     text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, default=str)
     return text.encode("utf-8", "replace")[:RAW_LIMIT].decode("utf-8", "ignore")
-
-
-def _row(source: str, index: int, n: Normalized, prompt_id: str) -> dict:
-    """A PROMPT_SCHEMA row built directly (no PromptRecord round trip: it dominated the profile)."""
-    conv = n.conversation
-    messages = [m.to_dict("arrow") for m in conv.messages] if conv is not None else None
-    return {
-        "prompt_id": prompt_id,
-        "source": source,
-        "row_index": index,
-        "messages": messages,
-        "tools": tools_to_json(conv.tools) if conv is not None else None,
-        "input_ids": n.input_ids,
-        "loss_mask": n.loss_mask,
-        "num_dropped_parts": n.num_dropped_parts,
-    }
 
 
 class _Reservoir:
@@ -169,7 +152,17 @@ def prepare_run(
                 continue
             seen.add(prompt_id)
             st.kept += 1
-            rows.append(_row(source.name, index, n, prompt_id))
+            rows.append(
+                prompt_row(
+                    prompt_id=prompt_id,
+                    source=source.name,
+                    row_index=index,
+                    conversation=n.conversation,
+                    input_ids=n.input_ids,
+                    loss_mask=n.loss_mask,
+                    num_dropped_parts=n.num_dropped_parts,
+                )
+            )
 
     storage.write_table_atomic(
         layout.quarantine_path, pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA)

@@ -1,4 +1,4 @@
-"""Prompt shards <-> PromptRecords, and the `tools` column's JSON.
+"""Prompt shard rows (PROMPT_SCHEMA) <-> PromptRecords, and the `tools` column's JSON.
 
 Messages convert through schemas.conversation.Message.to_dict/from_dict and output rows through
 schemas.rows (OutputRow); this module only adds the prompt shard's table on top of them.
@@ -7,12 +7,10 @@ schemas.rows (OutputRow); this module only adds the prompt shard's table on top 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 
 import pyarrow as pa
 
 from schemas.conversation import Conversation, Message, PromptRecord
-from schemas.tables import PROMPT_SCHEMA
 
 
 def tools_to_json(tools: tuple[dict, ...] | None) -> str | None:
@@ -23,23 +21,29 @@ def tools_from_json(s: str | None) -> tuple[dict, ...] | None:
     return tuple(json.loads(s)) if s else None
 
 
-def prompts_to_table(records: Iterable[PromptRecord]) -> pa.Table:
-    rows = []
-    for r in records:
-        conv = r.conversation
-        rows.append(
-            {
-                "prompt_id": r.prompt_id,
-                "source": r.source,
-                "row_index": r.row_index,
-                "messages": [m.to_dict("arrow") for m in conv.messages] if conv else None,
-                "tools": tools_to_json(conv.tools) if conv else None,
-                "input_ids": r.input_ids,
-                "loss_mask": r.loss_mask,
-                "num_dropped_parts": r.num_dropped_parts,
-            }
-        )
-    return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
+def prompt_row(
+    *,
+    prompt_id: str,
+    source: str,
+    row_index: int,
+    conversation: Conversation | None,
+    input_ids: list[int] | None,
+    loss_mask: list[int] | None,
+    num_dropped_parts: int,
+) -> dict:
+    """One PROMPT_SCHEMA row (prepare builds them straight from normalized rows: a PromptRecord round
+    trip per row dominated its profile); prompts_from_table reads them back."""
+    conv = conversation
+    return {
+        "prompt_id": prompt_id,
+        "source": source,
+        "row_index": row_index,
+        "messages": [m.to_dict("arrow") for m in conv.messages] if conv is not None else None,
+        "tools": tools_to_json(conv.tools) if conv is not None else None,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "num_dropped_parts": num_dropped_parts,
+    }
 
 
 def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
