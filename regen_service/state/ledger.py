@@ -157,12 +157,12 @@ class Ledger:
         pipe.hset(self.run_key(run_id, "progress"), sid, num_finished)
         pipe.hset(self.run_key(run_id, "failed"), sid, num_failed)
         pipe.hset(self.run_key(run_id, "tokens"), sid, num_tokens)
-        if per_source_finished:
-            pipe.hset(
-                self.run_key(run_id, "srcdone"),
-                mapping={f"{sid}|{k}": v for k, v in per_source_finished.items()},
-            )
-        for suffix, values in (("srcfailed", per_source_failed), ("srctokens", per_source_tokens)):
+        per_source = (
+            ("srcdone", per_source_finished),
+            ("srcfailed", per_source_failed),
+            ("srctokens", per_source_tokens),
+        )
+        for suffix, values in per_source:
             if values:
                 pipe.hset(self.run_key(run_id, suffix), mapping={f"{sid}|{k}": v for k, v in values.items()})
         pipe.execute()
