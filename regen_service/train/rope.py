@@ -27,6 +27,12 @@ def _yarn_correction_dim(rotations: float, dim: int, base: float, max_pos: int) 
     return (dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
+def scaling_type(scaling: dict | None) -> str | None:
+    """A rope_scaling's type (`rope_type`, or transformers 4's `type`); None for none or "default"."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    return None if kind in (None, "default") else kind
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
@@ -35,8 +41,7 @@ def mla_softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
     """DeepseekV2AttentionMLA's softmax scale: 1/sqrt(qk_nope + qk_rope), times mscale(factor,
     mscale_all_dim)^2 under YaRN (1 when mscale_all_dim is unset)."""
     base = qk_head_dim**-0.5
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if not scaling or kind in (None, "default"):
+    if scaling_type(scaling) is None:
         return base
     m = yarn_mscale(float(scaling.get("factor", 1.0)), float(scaling.get("mscale_all_dim") or 0.0))
     return base * m * m
@@ -48,8 +53,8 @@ def inv_freq_and_scale(
     """(inv_freq [head_dim/2] fp32, cos/sin multiplier) for `rope_scaling` (None = plain RoPE);
     `deepseek`: the MLA attention's variant of the multiplier."""
     extrap = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if not scaling or kind in (None, "default"):
+    kind = scaling_type(scaling)
+    if kind is None:
         return extrap.float(), 1.0
     if kind not in SUPPORTED_SCALING:
         raise ValueError(

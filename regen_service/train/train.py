@@ -22,6 +22,7 @@ from regen_service.train import flexattn
 from regen_service.train.dist import DistContext, all_reduce_mean
 from regen_service.train.model import DraftConfig, Eagle3Draft
 from regen_service.train.optim import MasterWeights
+from regen_service.train.rope import scaling_type
 from regen_service.train.ttt import TTTModule
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def rope_scaling_of(tc) -> dict | None:
     rs = getattr(tc, "rope_scaling", None)
     if not rs:
         rp = getattr(tc, "rope_parameters", None) or {}
-        rs = rp if (rp.get("rope_type") or rp.get("type") or "default") != "default" else None
+        rs = rp if scaling_type(rp) is not None else None
     if not rs or (rs.get("rope_type") or rs.get("type")) == "default":
         return None
     return {k: v for k, v in dict(rs).items() if k != "rope_theta"}
