@@ -21,6 +21,8 @@ from regen_service.settings import Settings
 from regen_service.state.find_runs import demo_settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.status import run_status
+from regen_service.work.metrics import row_outcome
+from schemas.rows import OutputRow
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_MIX = DEMO_DIR / "mix.yaml"
@@ -39,23 +41,32 @@ def summarize(settings: Settings, run_id: str) -> str:
     if not files:
         return f"run {run_id}: no output shards under {layout.outputs_dir}"
     ds = datasets.load_dataset("parquet", data_files=files, split="train")
-    answered: dict[str, int] = {}
-    errors: dict[str, int] = {}
+    # The worker's own outcome rule (the `regen_rows_finished_total` labels): a pretokenized row is
+    # passed through without an engine call, so it is not "answered"; reused answers and errors apart.
+    counts: dict[str, dict[str, int]] = {}
     tokens: dict[str, int] = {}
-    for src, err, tok in zip(ds["source"], ds["error"], ds["completion_tokens"], strict=False):
-        answered[src] = answered.get(src, 0) + (err is None)
-        errors[src] = errors.get(src, 0) + (err is not None)
-        tokens[src] = tokens.get(src, 0) + (tok or 0)
+    columns = ("source", "error_class", "reused_from", "turns", "completion_tokens")
+    for rec in ds.select_columns(list(columns)):
+        outcome = row_outcome(OutputRow.from_record(rec))
+        kind = outcome if outcome in ("answered", "passthrough", "reused") else "errors"
+        per = counts.setdefault(rec["source"], {})
+        per[kind] = per.get(kind, 0) + 1
+        tokens[rec["source"]] = tokens.get(rec["source"], 0) + (rec["completion_tokens"] or 0)
+    kinds = ("answered", "passthrough", "reused", "errors")
     lines = [
         f"run {run_id}: {len(ds)} rows in {len(files)} shards",
         f"  output shards: {layout.outputs_dir}/shard-*.parquet",
         f"  quarantine:    {layout.quarantine_path}",
-        f"  {'source':<20}{'read':>6}{'kept':>6}{'dup':>6}{'quar':>6}{'answered':>10}{'errors':>8}{'tokens':>9}",
+        f"  {'source':<20}{'read':>6}{'kept':>6}{'dup':>6}{'quar':>6}"
+        + "".join(f"{k:>{len(k) + 2}}" for k in kinds)
+        + f"{'tokens':>9}",
     ]
     for name, st in manifest.sources.items():
+        per = counts.get(name, {})
         lines.append(
             f"  {name:<20}{st.read:>6}{st.kept:>6}{st.duplicate:>6}{st.quarantined:>6}"
-            f"{answered.get(name, 0):>10}{errors.get(name, 0):>8}{tokens.get(name, 0):>9}"
+            + "".join(f"{per.get(k, 0):>{len(k) + 2}}" for k in kinds)
+            + f"{tokens.get(name, 0):>9}"
         )
     return "\n".join(lines)
 

@@ -249,31 +249,65 @@ def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
     "--basic-auth",
     envvar="FLOWER_BASIC_AUTH",
     default=None,
-    help="user:password (env FLOWER_BASIC_AUTH); required unless --no-auth",
+    help="user:password from env FLOWER_BASIC_AUTH (on the command line it shows in `ps`: use the env or "
+    "--basic-auth-file); required unless --basic-auth-file or --no-auth",
+)
+@click.option(
+    "--basic-auth-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="a file holding user:password (e.g. a Docker secret); wins over FLOWER_BASIC_AUTH",
 )
 @click.option("--no-auth", is_flag=True, help="serve without authentication (local use only)")
 @click.pass_context
-def flower(ctx: click.Context, port: int, address: str, basic_auth: str | None, no_auth: bool) -> None:
+def flower(
+    ctx: click.Context,
+    port: int,
+    address: str,
+    basic_auth: str | None,
+    basic_auth_file: str | None,
+    no_auth: bool,
+) -> None:
     """Start Flower on the same broker settings as the workers (one visibility timeout for all).
 
-    Every route but /healthcheck (including /metrics and the API) demands the credentials."""
-    from regen_service.deploy.flower_guard import check_basic_auth, guard_every_route
+    Every route but /healthcheck (including /metrics and the API) demands the credentials, which reach
+    Flower through its environment, never a command line."""
+    from click.core import ParameterSource
+
+    from regen_service.deploy.flower_guard import (
+        check_basic_auth,
+        guard_every_route,
+        hand_to_flower,
+        read_basic_auth_file,
+    )
     from regen_service.work.worker_app import WorkerApp
 
     settings = _settings()
-    if not basic_auth and not no_auth:
-        raise click.ClickException(
-            "Flower needs --basic-auth user:password (or FLOWER_BASIC_AUTH), or --no-auth"
-        )
-    if basic_auth:
-        try:
+    on_command_line = ctx.get_parameter_source("basic_auth") == ParameterSource.COMMANDLINE
+    if on_command_line and basic_auth_file:
+        raise click.ClickException("give the credentials once: --basic-auth or --basic-auth-file, not both")
+    try:
+        if basic_auth_file:
+            basic_auth = read_basic_auth_file(basic_auth_file)
+        if not basic_auth and not no_auth:
+            raise ConfigError(
+                "Flower needs credentials: --basic-auth-file PATH (a file holding user:password) or "
+                "FLOWER_BASIC_AUTH=user:password, or --no-auth"
+            )
+        if basic_auth:
             check_basic_auth(basic_auth)
-        except ConfigError as e:
-            raise click.ClickException(str(e)) from None
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if on_command_line:
+        click.echo(
+            "warning: --basic-auth puts the password in this process's command line, which every user of "
+            "this host can read (ps, /proc/PID/cmdline); use --basic-auth-file PATH or FLOWER_BASIC_AUTH",
+            err=True,
+        )
     guard_every_route()
     args = ["flower", f"--port={port}", f"--address={address}", *ctx.args]
     if basic_auth:
-        args.append(f"--basic-auth={basic_auth}")
+        hand_to_flower(basic_auth)
     WorkerApp(settings).app.start(args)
 
 

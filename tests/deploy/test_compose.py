@@ -76,7 +76,8 @@ def test_published_ports_bind_to_the_operators_address(compose):
     for name, svc in compose["services"].items():
         for port in svc.get("ports") or []:
             assert port.startswith("${REGEN_BIND_ADDRESS:-127.0.0.1}:"), (name, port)
-    assert compose["services"]["flower"]["command"][-2:] == ["--address", "0.0.0.0"]
+    flower_cmd = compose["services"]["flower"]["command"]
+    assert flower_cmd[flower_cmd.index("--address") + 1] == "0.0.0.0"
 
 
 def test_broker_clients_share_url_and_visibility_timeout(compose):
@@ -92,7 +93,11 @@ def test_broker_clients_share_url_and_visibility_timeout(compose):
 def test_flower_worker_producer_trainer_commands(compose):
     s = compose["services"]
     assert s["flower"]["command"][:2] == ["regen", "flower"]
-    assert "FLOWER_BASIC_AUTH" in s["flower"]["environment"]
+    # Flower's credentials: a Docker secret read from a file, never argv or the container's environment
+    assert s["flower"]["command"][-2:] == ["--basic-auth-file", "/run/secrets/flower_basic_auth"]
+    assert s["flower"]["secrets"] == ["flower_basic_auth"]
+    assert compose["secrets"]["flower_basic_auth"] == {"environment": "FLOWER_BASIC_AUTH"}
+    assert "FLOWER_BASIC_AUTH" not in s["flower"]["environment"]
     assert "regen worker" in s["worker"]["command"][-1] and "--endpoint" in s["worker"]["command"][-1]
     assert s["producer"]["command"] == ["regen", "enqueue", "/mixes/mix.yaml"]
     train = s["trainer"]["command"][-1]
@@ -150,6 +155,9 @@ def test_docker_compose_config_accepts_it(tmp_path):
     )
     for name in ("redis", "flower", "sglang"):
         assert [p["host_ip"] for p in cfg["services"][name]["ports"]] == ["127.0.0.1"], name
+    flower = cfg["services"]["flower"]
+    assert "admin:test" not in json.dumps([flower["command"], flower.get("environment")])
+    assert [x["source"] for x in flower["secrets"]] == ["flower_basic_auth"]
     redis = cfg["services"]["redis"]
     assert "test-redis-pw" not in json.dumps(
         [redis["command"], redis["healthcheck"], redis.get("environment")]

@@ -14,7 +14,7 @@ import torch
 
 from regen_service.train.checkpoint import load_latest
 from regen_service.train.fixtures import greedy_rows, make_tiny_target, publish_shard, register_run
-from tests.procs import regen_cmd, spawn, stop
+from tests.procs import regen_cmd, spawn, stop, wait_exit, wait_progress
 
 CONFIG = {
     "draft_vocab_size": 256, "max_length": 128, "batch_size": 4, "epochs": 3, "ttt_length": 3,
@@ -54,8 +54,8 @@ def _consumed(out: Path) -> list[tuple[str, int]]:
 
 
 def _wait(proc, timeout_s: float, log: Path) -> None:
-    try:
-        assert proc.wait(timeout=timeout_s) == 0, log.read_text()[-3000:]
+    try:  # timeout_s: how long the trainer may show no sign of life (log, CPU), not its whole run
+        assert wait_exit(proc, log, stall_s=timeout_s) == 0, log.read_text()[-3000:]
     except BaseException:
         stop(proc, signal.SIGKILL)
         raise
@@ -69,11 +69,9 @@ def test_kill9_then_resume_consumes_every_shard_once(settings, settings_env, tmp
         publish_shard(settings, ledger, "run-k", shard, rows)
     out, log = tmp_path / "out", tmp_path / "trainer.log"
     proc = _train(settings_env, "run-k", target, out, cfg, log)
-    deadline = time.monotonic() + 120
-    while len(_consumed(out)) < 2:  # kill once a checkpoint lists some (not all) shards
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # kill once a checkpoint lists some (not all) shards; stuck = no new checkpoint or log line for 120 s
+    wait_progress(lambda: (len(c := _consumed(out)) >= 2, (c, log.stat().st_size if log.exists() else 0)),
+                  what="a checkpoint listing 2 shards", stall_s=120, procs=(proc,), interval_s=0.05)  # fmt: skip
     stop(proc, signal.SIGKILL)
     killed_at = _consumed(out)
     assert 2 <= len(killed_at) < 8, "the trainer finished before it could be killed"

@@ -105,6 +105,27 @@ def content_text(value: Any, where: str) -> tuple[str, int]:
     return "".join(texts), dropped
 
 
+def require_prompt_text(raw: Any, text: str, where: str) -> str:
+    """The text of a user turn, or RowError when it would reach the target as an empty prompt.
+
+    `content_text` reads null as "" because an assistant turn that only calls tools has no text; a
+    user turn with nothing in it (null, "", whitespace, an empty part list) has nothing to answer,
+    and sending it anyway teaches the draft what the target says to an empty message.
+    """
+    if text.strip():
+        return text
+    if raw is None:
+        got = "null"
+    elif isinstance(raw, str):
+        got = "only whitespace" if raw else "an empty string"
+    else:
+        got = "no text in its parts"
+    raise RowError(
+        f"{where}: empty user turn ({got}); nothing to prompt the target with; "
+        "fill in the turn's text or remove the row"
+    )
+
+
 def arguments_json(value: Any, where: str) -> str:
     """Tool-call arguments as a JSON string: strings pass verbatim, objects are serialized."""
     if value is None:
@@ -216,6 +237,10 @@ def conversation(messages: list[Message], tools: tuple[dict, ...] | None, where:
     if not any(m.role == "user" for m in messages):
         roles = [m.role for m in messages]
         raise RowError(f"{where}: no user turn (roles: {roles}); nothing to prompt the target with")
+    for i, m in enumerate(messages):
+        # the formats check their own turns with the field path; this holds the rule for any format
+        if m.role == "user":
+            require_prompt_text(m.content, m.content, f"{where} (message {i})")
     try:
         return Conversation(messages=tuple(pair_tool_results(messages)), tools=tools)
     except ValidationError as err:

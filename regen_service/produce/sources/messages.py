@@ -17,6 +17,7 @@ from regen_service.produce.sources.base import (
     content_text,
     conversation,
     message,
+    require_prompt_text,
     tool_call,
     tools_list,
     type_name,
@@ -63,6 +64,8 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
             raise RowError(f"{where}.{k_content}: missing")
         text, n = content_text(item.get(k_content), f"{where}.{k_content}")
         dropped += n
+        if role == "user":
+            require_prompt_text(item.get(k_content), text, f"{where}.{k_content}")
         extra: dict = {}
         if calls is not None:
             if not isinstance(calls, list):

@@ -23,6 +23,7 @@ from regen_service.produce.sources.base import (
     content_text,
     conversation,
     message,
+    require_prompt_text,
     tool_call,
     tools_list,
     type_name,
@@ -102,6 +103,8 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
             continue
         text, n = content_text(turn[k_value], f"{where}.{k_value}")
         dropped += n
+        if role == "user":
+            require_prompt_text(turn[k_value], text, f"{where}.{k_value}")
         messages.append(message(role, text))
         open_assistant = len(messages) - 1 if role == "assistant" else -1
     tools = tools_list(raw.get(fields("tools")), fields("tools"))
