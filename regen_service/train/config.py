@@ -111,7 +111,9 @@ class TrainConfig(BaseModel):
             except (YamlRefused, UnicodeDecodeError) as e:
                 raise ConfigError(f"--config {path}: {e}") from None
             if not isinstance(data, dict):
-                raise ConfigError(f"--config {path}: expected a mapping of TrainConfig fields (docs/training.md)")
+                raise ConfigError(
+                    f"--config {path}: expected a mapping of TrainConfig fields (docs/training.md)"
+                )
         data.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**data)
