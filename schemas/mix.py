@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from schemas.yamlfile import YamlRefused, load_yaml
 
 Api = Literal["chat", "generate"]
 Turns = Literal["all", "last"]
@@ -204,20 +205,6 @@ def parse_mix(data: Any, *, where: str = "mix", base_dir: str | None = None) -> 
     return mix
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """SafeLoader that refuses anchors and aliases: a mix never needs them, and an alias bomb (aliases
-    of aliases, a few hundred bytes expanding to gigabytes) is refused at its first alias."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise MixError(
-                f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a mix "
-                "file; write the value out in full"
-            )
-        return super().compose_node(parent, index)
-
-
 def load_mix(path: str | Path) -> MixSpec:
     """Read and validate a mix file; relative source paths resolve against its folder."""
     p = Path(path)
@@ -226,9 +213,7 @@ def load_mix(path: str | Path) -> MixSpec:
     except OSError as err:
         raise MixError(f"{p}: cannot read the mix file ({err.strerror})") from None
     try:
-        data = yaml.load(text, Loader=_NoAliasLoader)
-    except MixError as err:
+        data = load_yaml(text, what="a mix file")
+    except YamlRefused as err:
         raise MixError(f"{p}: {err}") from None
-    except yaml.YAMLError as err:
-        raise MixError(f"{p}: not valid YAML: {err}") from None
     return parse_mix(data, where=str(p), base_dir=str(p.resolve().parent))

@@ -46,6 +46,11 @@ from regen_service.cli.base import main, run_id_param
 )
 @click.option("--target-endpoint", default=None, help="the vLLM engine's URL (--target-backend vllm)")
 @click.option(
+    "--target-states-dir",
+    default=None,
+    help="the folder that engine writes states to (its launch-vllm --hidden-states DIR); only it is read",
+)
+@click.option(
     "--trust-remote-code",
     is_flag=True,
     default=None,
@@ -62,10 +67,11 @@ def train_cmd(
     device,
     target_backend,
     target_endpoint,
+    target_states_dir,
     trust_remote_code,
 ) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
-    from regen_service.errors import ConfigError
+    from regen_service.errors import ConfigError, RegenError
     from regen_service.settings import Settings
     from regen_service.train.config import TrainConfig
     from regen_service.train.runner import train_from_run
@@ -77,6 +83,7 @@ def train_cmd(
             config_path,
             target_backend=target_backend,
             target_endpoint=target_endpoint,
+            target_states_dir=target_states_dir,
             trust_remote_code=trust_remote_code or None,
         )
         summary = train_from_run(
@@ -92,6 +99,8 @@ def train_cmd(
         )
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
+    except RegenError as e:  # e.g. the vLLM target backend's EngineStateError: a message, not a traceback
+        raise click.ClickException(str(e)) from None
     click.echo(json.dumps(summary, default=str))
     sys.stdout.flush()
 

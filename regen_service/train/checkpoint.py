@@ -87,13 +87,35 @@ def _prune(root: Path, keep: int, current: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def latest_path(out_dir: str | Path) -> Path | None:
-    root = Path(out_dir) / "checkpoints"
+def latest_step(root: str | Path) -> Path | None:
+    """The step directory `root/latest` names (root: a trainer's checkpoints/ folder), or None without
+    one. The name must be a step directory right inside root, symlinks resolved: `latest` sits on a
+    volume others write, and a name leading elsewhere would load (or export) a file from anywhere."""
+    root = Path(root)
     try:
-        name = (root / "latest").read_text().strip()
-    except FileNotFoundError:
+        name = (root / "latest").read_text(encoding="utf-8", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    path = root / name / "state.pt"
+    except OSError as e:
+        raise ConfigError(f"{root / 'latest'}: cannot read it ({e.strerror})") from None
+    step = root / name
+    if (
+        not name.startswith("step-")
+        or "/" in name
+        or os.path.realpath(step) != os.path.join(os.path.realpath(root), name)
+    ):
+        raise UnsafeCheckpointError(
+            f"{root / 'latest'} names {name[:200]!r}, not a step-NNNNNNNN directory inside {root}: refused. regen's "
+            "trainer writes only such names; write the newest step directory's name there, or delete the file"
+        )
+    return step
+
+
+def latest_path(out_dir: str | Path) -> Path | None:
+    step = latest_step(Path(out_dir) / "checkpoints")
+    if step is None:
+        return None
+    path = step / "state.pt"
     return path if path.exists() else None
 
 

@@ -7,13 +7,14 @@ override. What the fields mean is in docs/training.md.
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from regen_service.errors import ConfigError
+from schemas.yamlfile import YamlRefused, load_yaml
 
 
 class TrainConfig(BaseModel):
@@ -44,6 +45,9 @@ class TrainConfig(BaseModel):
     # holds the target with tensor/expert parallelism ("vllm": `regen launch-vllm --hidden-states DIR`)
     target_backend: Literal["hf", "vllm"] = "hf"
     target_endpoint: str | None = None  # the vLLM server's base URL (target_backend vllm)
+    # the folder that engine writes states files to (its `--hidden-states DIR`): the trainer reads and
+    # deletes files only inside it, whatever path the engine's reply names
+    target_states_dir: str | None = None
     target_num_parallel_requests: int = Field(default=8, ge=1)  # sequences in flight to the engine
     target_request_timeout_s: float = Field(default=600.0, gt=0)
     # draft architecture: "llama" (LlamaForCausalLMEagle3, GQA attention) or "mla" (Eagle3DeepseekV2ForCausalLM:
@@ -88,6 +92,11 @@ class TrainConfig(BaseModel):
                 "target_backend vllm needs target_endpoint (the vLLM server's URL, e.g. http://127.0.0.1:8000; "
                 "start it with `regen launch-vllm --target PATH --hidden-states DIR`)"
             )
+        if self.target_backend == "vllm" and not self.target_states_dir:
+            raise ValueError(
+                "target_backend vllm needs target_states_dir (the folder given to `regen launch-vllm "
+                "--hidden-states DIR`; the trainer reads states files only inside it)"
+            )
         return self
 
     @classmethod
@@ -95,13 +104,28 @@ class TrainConfig(BaseModel):
         data: dict = {}
         if path:
             try:
-                data = yaml.safe_load(Path(path).read_text()) or {}
-            except (OSError, yaml.YAMLError) as e:
-                raise ConfigError(f"--config {path}: {e}") from e
+                # no aliases, bounded depth (schemas/yamlfile.py): an alias bomb is refused at its first alias
+                data = load_yaml(Path(path).read_text(encoding="utf-8"), what="train.yaml") or {}
+            except OSError as e:
+                raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+            except (YamlRefused, UnicodeDecodeError) as e:
+                raise ConfigError(f"--config {path}: {e}") from None
             if not isinstance(data, dict):
-                raise ConfigError(f"--config {path}: expected a mapping of fields")
+                raise ConfigError(
+                    f"--config {path}: expected a mapping of TrainConfig fields (docs/training.md)"
+                )
         data.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**data)
         except ValidationError as e:
-            raise ConfigError(f"train config {path or ''}: {e}") from e
+            raise ConfigError(f"train config {path or ''}: {_problems(e)}") from None
+
+
+def _problems(err: ValidationError) -> str:
+    """One line per field, each input shown cut short: pydantic's own text repeats whole inputs."""
+    out = []
+    for e in err.errors(include_url=False):
+        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        got = "" if e["type"] == "missing" or not e["loc"] else f" (got {reprlib.repr(e.get('input'))})"
+        out.append(f"{where}: {e['msg'].removeprefix('Value error, ')}{got}")
+    return "; ".join(out)

@@ -13,7 +13,6 @@ documented in docs/draft-checkpoints.md; SGLang's side is in sglang_format.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from regen_service.errors import ConfigError
@@ -167,6 +166,7 @@ def convert_draft(
     keep_failed: bool = False,
 ) -> tuple[DraftReport, list[str]]:
     """Convert, validate, and move into place; raises ExportRefused when validation fails."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     src = Path(src)
@@ -175,12 +175,20 @@ def convert_draft(
     if not cfg_path.is_file() or not files:
         raise ConfigError(f"{src} must hold config.json and *.safetensors (a speculators draft directory)")
     try:
-        cfg, notes = convert_config(json.loads(cfg_path.read_text()), target)
+        cfg, notes = convert_config(fmt.read_config_json(cfg_path, "speculators config"), target)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     except ConfigError as e:
         raise ConfigError(f"{cfg_path}: {e}") from e
     tensors: dict = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(
+                f"{f}: not a readable safetensors file ({str(e).splitlines()[0]}); convert-draft reads a "
+                "speculators draft's model.safetensors: download or copy it again"
+            ) from None
     tensors = convert_tensors(tensors, cfg, notes)
     tmp = prepare_out(Path(out), overwrite)
     write_draft(tmp, tensors, cfg, dtype, metadata={"regen_converted_from": str(src)})

@@ -7,7 +7,8 @@ mask then covers every assistant turn: from the end of the template's assistant 
 `add_generation_prompt` appends) through the template's end-of-turn marker, both found once per
 tokenizer by rendering a probe conversation. Masks come from tokenizing the text in segments cut at
 those markers, so slow tokenizers (Kimi-K2.5's tiktoken one: no offset mapping) work too. Rows with an `error` are skipped; sequences are cut at
-max_length. Which shards to read, and when, is the trainer's.
+max_length early (token columns in Arrow, rendered text before it is tokenized whole), so one huge row
+costs memory for max_length tokens, not for the row. Which shards to read, and when, is the trainer's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from regen_service.errors import ConfigError
@@ -25,6 +27,9 @@ from regen_service.train import samples as S
 from schemas.rows import OutputRow, output_rows
 
 _SENTINEL = "REGEN_PROBE_9f3b"
+CUT_MARGIN = (
+    64  # tokens tokenized past max_length, then dropped: a cut text's last word may split differently
+)
 
 
 @dataclass
@@ -87,17 +92,36 @@ class ChatRenderer:
             pos = end
         return out
 
-    def encode(self, messages: list[dict], tools: list | None) -> Example:
+    def encode(self, messages: list[dict], tools: list | None, max_length: int | None = None) -> Example:
         text = self._render(messages, tools=tools)
         n_asst = sum(1 for m in messages if m.get("role") == "assistant")
-        ids, mask = self.tokenize_spans(text, self.spans(text, n_asst))
+        ids, mask = self.tokenize_spans(text, self.spans(text, n_asst), max_length)
         return Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
 
-    def tokenize_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    def _enough_text(self, text: str, max_length: int) -> str:
+        """A prefix of `text` whose tokens start with the whole text's first max_length tokens: grown
+        from 8 characters per token until it gives CUT_MARGIN tokens more than needed (a cut only
+        changes the tokens of the word it falls in), so a huge row is never tokenized whole."""
+        n = 8 * (max_length + CUT_MARGIN)
+        while n < len(text):
+            if len(self.tok(text[:n], add_special_tokens=False)["input_ids"]) >= max_length + CUT_MARGIN:
+                return text[:n]
+            n *= 2
+        return text
+
+    def tokenize_spans(
+        self, text: str, spans: list[tuple[int, int]], max_length: int | None = None
+    ) -> tuple[list[int], list[int]]:
         """(ids, mask) of `text`, mask 1 on the tokens inside `spans`, without offset mappings (slow
         tokenizers have none): the text is tokenized segment by segment, cut at the span edges. The
         edges sit on template markers (special tokens), so the segments' ids joined must equal the
-        whole text's ids; if not, a fast tokenizer falls back to its offsets, a slow one is an error."""
+        whole text's ids; if not, a fast tokenizer falls back to its offsets, a slow one is an error.
+        With max_length, only a prefix of the text long enough for max_length tokens is tokenized."""
+        if max_length is not None:
+            text = self._enough_text(text, max_length)
+            spans = [(s, min(e, len(text))) for s, e in spans if s < len(text)]
+            ids, mask = self.tokenize_spans(text, spans)
+            return ids[:max_length], mask[:max_length]
         cuts = sorted({0, len(text), *(p for span in spans for p in span)})
         ids: list[int] = []
         mask: list[int] = []
@@ -127,12 +151,15 @@ def template_messages(row: OutputRow) -> list[dict]:
     return [m.to_dict("template") for m in row.messages or ()]
 
 
-def _row_examples(row: OutputRow, renderer_factory, samples: str, stats: dict) -> list[Example]:
-    """One row -> its examples: per generation (samples.py) where asked and possible, else the row."""
+def _row_examples(
+    row: OutputRow, renderer_factory, samples: str, stats: dict, max_length: int
+) -> list[Example]:
+    """One row -> its examples: per generation (samples.py) where asked and possible, else the row;
+    none longer than max_length (token lists cut before they become tensors)."""
     tokens = bool(row.input_ids) and row.loss_mask is not None
     stats["token_rows" if tokens else "template_rows"] += 1
     if tokens:
-        pairs = S.token_generations(row) if samples == "per_generation" else None
+        pairs = S.token_generations(row, max_length) if samples == "per_generation" else None
         if pairs is None:
             return [Example(torch.tensor(row.input_ids), torch.tensor(row.loss_mask, dtype=torch.int64))]
         stats["generation_samples"] += len(pairs)
@@ -141,11 +168,21 @@ def _row_examples(row: OutputRow, renderer_factory, samples: str, stats: dict) -
     tools = json.loads(row.tools) if row.tools else None
     messages = template_messages(row)
     if samples == "per_generation":
-        pairs = S.template_generations(renderer, messages, tools, row.turns or [])
+        pairs = S.template_generations(renderer, messages, tools, row.turns or [], max_length)
         if pairs is not None:
             stats["generation_samples"] += len(pairs)
             return S.as_examples(pairs, Example)
-    return [renderer.encode(messages, tools)]
+    return [renderer.encode(messages, tools, max_length)]
+
+
+def _cut_token_columns(table: pa.Table, max_length: int) -> pa.Table:
+    """input_ids and loss_mask cut to max_length in Arrow, before any row becomes Python lists: a
+    30M-token row would otherwise take gigabytes of Python ints to be cut to 8192 tokens anyway."""
+    for name in ("input_ids", "loss_mask"):
+        if name in table.column_names:
+            i = table.column_names.index(name)
+            table = table.set_column(i, name, pc.list_slice(table.column(name), 0, max_length))
+    return table
 
 
 def table_examples(
@@ -157,11 +194,13 @@ def table_examples(
     stats["generation_samples"] = 0
     examples = []
     cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns")
-    for row in output_rows(table.select([c for c in cols if c in table.column_names])):
+    for row in output_rows(
+        _cut_token_columns(table.select([c for c in cols if c in table.column_names]), max_length)
+    ):
         if row.error:
             stats["errors"] += 1
             continue
-        for ex in _row_examples(row, renderer_factory, samples, stats):
+        for ex in _row_examples(row, renderer_factory, samples, stats, max_length):
             ex = Example(ex.ids[:max_length].to(torch.int64), ex.mask[:max_length].to(torch.int64))
             if int(ex.mask.sum()) == 0 or ex.ids.numel() < 2:
                 stats["no_loss"] += 1

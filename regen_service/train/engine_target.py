@@ -4,7 +4,8 @@ A 1T-parameter MoE (Kimi-K2.5) fits no trainer process; vLLM holds it with tenso
 started with the `extract_hidden_states` method (deploy/launch_vllm.py), captures the residual stream
 entering the aux layers plus the last layer's output. For each training sequence this backend sends the
 token ids to `/v1/completions` (one token generated), waits on the flock of the file the engine names in
-`kv_transfer_params.hidden_states_path` (vllm_connector.py writes it), and reads `hidden_states`
+`kv_transfer_params.hidden_states_path` (vllm_connector.py writes it; only a file inside the engine's
+`--hidden-states DIR`, given here as `target_states_dir`, is read), and reads `hidden_states`
 [T, 4, H]: the three aux layers, concatenated to [T, 3H] as HFTarget gives them, and the final layer,
 through the target's own final norm and lm_head (the only target weights loaded here, with the
 embedding the draft shares) to the target's prediction per position. The files must be on a filesystem
@@ -18,6 +19,8 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,21 +80,85 @@ def load_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_state_file(path: str) -> dict[str, torch.Tensor]:
-    """The engine's file, once its writer released the lock (vLLM's own `load_hidden_states` protocol)."""
-    from safetensors.torch import load_file
+STATES_KEYS = "hidden_states [T, layers, H] and token_ids [T], the safetensors file vllm_connector.py writes"
 
-    lock = path + ".lock"
-    try:
-        with open(lock) as lf:
-            fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps until the engine's writer releases LOCK_EX
-            data = load_file(path, device="cpu")
-    except FileNotFoundError as e:
+
+def confined(path: object, states_dir: str | Path) -> Path:
+    """The engine's `hidden_states_path` resolved (symlinks followed), refused unless it is a
+    .safetensors file inside `states_dir`: the reply is the engine's word, and the trainer deletes
+    what it reads, so a path elsewhere (another run's states, a model's weights) is never touched."""
+    root = Path(os.path.realpath(states_dir))
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise EngineStateError(f"the engine's hidden_states_path {path!r} is not a file path")
+    real = Path(os.path.realpath(root / path))  # an absolute `path` replaces root in the join
+    if root not in real.parents or real.suffix != ".safetensors":
         raise EngineStateError(
-            f"the engine wrote hidden states to {path}, which this trainer cannot read ({e.strerror}): run "
+            f"the engine's hidden_states_path {path!r} is not a .safetensors file inside target_states_dir "
+            f"{root}: refused, nothing read or deleted. Set target_states_dir to the folder the engine was "
+            "started with (`regen launch-vllm --hidden-states DIR`)"
+        )
+    return real
+
+
+def _wait_for_writer(lock: Path, path: str, timeout_s: float) -> int:
+    """A shared flock on the engine's lock file, polled until `timeout_s`: a writer that never lets go
+    (or another process holding the lock) is an error, not a trainer hung for good."""
+    try:
+        # O_NONBLOCK: a FIFO planted as the lock must not block the open itself
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise EngineStateError(
+            f"the engine wrote hidden states to {path}, which this trainer cannot read (no {lock.name}): run "
             "the trainer on the engine's host, or set the engine's shared_storage_path to a shared filesystem"
         ) from None
-    for f in (path, lock):
+    except OSError as e:
+        raise EngineStateError(f"{lock}: cannot open the engine's lock file ({e.strerror})") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise EngineStateError(
+                    f"{lock} is still locked after {timeout_s:g} s (target_request_timeout_s): the engine "
+                    f"is stuck writing {path}, or another process holds the lock; restart the engine, or "
+                    "remove the lock file if no engine writes there"
+                ) from None
+            time.sleep(0.01)
+
+
+def read_state_file(path: str, states_dir: str | Path, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
+    """The engine's file, once its writer released the lock (vLLM's own `load_hidden_states` protocol),
+    read only inside `states_dir` and deleted (with its lock) once read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    real = confined(path, states_dir)
+    lock = Path(os.path.realpath(str(real) + ".lock"))
+    if lock != real.with_name(real.name + ".lock"):  # a symlink: its target may lie anywhere
+        raise EngineStateError(f"{real}.lock is a link to {lock}: refused, nothing read or deleted")
+    fd = _wait_for_writer(lock, path, timeout_s)
+    try:
+        if not stat.S_ISREG(os.stat(real, follow_symlinks=False).st_mode):
+            raise EngineStateError(f"{path} is not a regular file; expected {STATES_KEYS}")
+        data = load_file(str(real), device="cpu")
+    except FileNotFoundError:
+        raise EngineStateError(
+            f"the engine wrote hidden states to {path}, which this trainer cannot read (no such file): run "
+            "the trainer on the engine's host, or set the engine's shared_storage_path to a shared filesystem"
+        ) from None
+    except (SafetensorError, OSError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise EngineStateError(f"{path} is not a states file ({why}); expected {STATES_KEYS}") from None
+    finally:
+        os.close(fd)
+    hs, ids = data.get("hidden_states"), data.get("token_ids")
+    if hs is None or ids is None or hs.ndim != 3 or ids.ndim != 1 or hs.shape[0] != ids.shape[0]:
+        got = {k: list(v.shape) for k, v in data.items()}
+        raise EngineStateError(f"{path} holds {got}; expected {STATES_KEYS}")
+    for f in (real, lock):
         with contextlib.suppress(FileNotFoundError):
             os.remove(f)
     return data
@@ -107,12 +174,20 @@ class VllmTarget(TargetBackend):
         device: str | torch.device = "cpu",
         aux_layer_ids: list[int] | None = None,
         *,
+        states_dir: str | Path | None = None,
         model: str | None = None,
         num_parallel_requests: int = 8,
         request_timeout_s: float = 600.0,
         api_key: str | None = None,
     ):
         self.path = path
+        if not states_dir:
+            raise ConfigError(
+                "target_states_dir is not set: set it to the folder the engine writes hidden states to "
+                "(`regen launch-vllm --hidden-states DIR`; vLLM creates it at its first request)"
+            )
+        self.states_dir = states_dir  # resolved at each read: confined() follows what it is then
+        self._timeout_s = request_timeout_s
         self.device = torch.device(device)
         # config.json read as data: the engine runs the target's code (Kimi-K2.5's is remote code), the
         # trainer only needs its text model's sizes, so it never imports the folder's Python.
@@ -191,17 +266,24 @@ class VllmTarget(TargetBackend):
             raise EngineStateError(f"{self.endpoint}: {type(e).__name__} {e}") from None
         if r.status_code != 200:
             raise EngineStateError(f"{self.endpoint} answered {r.status_code}: {r.text[:300]}")
-        data = r.json()
-        path = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
+        try:
+            data = r.json()
+            path = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
+            generated = int(data["choices"][0]["token_ids"][0])
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise EngineStateError(
+                f"{self.endpoint} answered /v1/completions with {r.text[:200]!r}, not a completion carrying "
+                "choices[0].token_ids and kv_transfer_params.hidden_states_path"
+            ) from None
         if not path:
             raise ConfigError(
                 f"--target-endpoint {self.endpoint} returns no hidden_states_path: it runs without the "
                 "extract_hidden_states method; start it with `regen launch-vllm --target ... --hidden-states DIR`"
             )
-        got = read_state_file(path)
+        got = read_state_file(path, self.states_dir, self._timeout_s)
         if got["token_ids"].tolist() != ids:
             raise EngineStateError(f"{path} holds another sequence's states than the one sent")
-        return got["hidden_states"], int(data["choices"][0]["token_ids"][0])
+        return got["hidden_states"], generated
 
     def _normed(self, last: torch.Tensor) -> torch.Tensor:
         x = last.to(self.device, torch.float32)

@@ -39,10 +39,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
             return candidate
         latest = candidate / "latest"
         if latest.is_file():
-            name = latest.read_text().strip()
-            step = Path(name) if Path(name).is_absolute() else candidate / name
+            from regen_service.train.checkpoint import latest_step
+
+            step = latest_step(candidate)  # refuses a name leading outside the checkpoints folder
             if not (step / "state.pt").is_file():
-                raise ConfigError(f"{latest} names {name!r} but {step}/state.pt does not exist")
+                raise ConfigError(f"{latest} names {step.name!r} but {step}/state.pt does not exist")
             return step
     raise ConfigError(
         f"no checkpoint at {p}: pass a step directory holding state.pt, or the trainer's --out directory "

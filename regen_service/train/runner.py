@@ -59,6 +59,7 @@ def make_target(path: str, cfg: TrainConfig, device):
             cfg.target_endpoint,
             device,
             cfg.aux_layer_ids,
+            states_dir=cfg.target_states_dir,
             num_parallel_requests=cfg.target_num_parallel_requests,
             request_timeout_s=cfg.target_request_timeout_s,
         )

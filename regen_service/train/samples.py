@@ -23,19 +23,28 @@ from schemas.rows import OutputRow, Turn
 THINK_END = "</think>"
 
 
-def token_generations(row: OutputRow) -> list[tuple[list[int], list[int]]] | None:
-    """(ids, mask) per api-generate turn from stored ids; None when the row lacks per-turn prompts
-    (written before they were stored) or has no generate turns: the caller uses the row as a whole."""
+def token_generations(
+    row: OutputRow, max_length: int | None = None
+) -> list[tuple[list[int], list[int]]] | None:
+    """(ids, mask) per api-generate turn from stored ids, each cut to max_length; None when the row
+    lacks per-turn prompts (written before they were stored) or has no generate turns: the caller uses
+    the row as a whole. row.input_ids may already be cut to max_length (data._cut_token_columns)."""
     turns = [t for t in row.turns or [] if t.output_ids is not None]
     if not turns or any(t.prompt_len is None for t in turns):
         return None
     ids = row.input_ids or []
+    cap = max_length if max_length is not None else max(len(ids), *(t.prompt_len for t in turns))
     out = []
     for t in turns:
-        prompt = list(t.prompt_ids) if t.prompt_ids is not None else list(ids[: t.prompt_len])
-        if len(prompt) != t.prompt_len:
-            return None  # inconsistent row: do not guess
-        answer = list(t.output_ids)
+        if t.prompt_ids is not None:
+            if len(t.prompt_ids) != t.prompt_len:
+                return None  # inconsistent row: do not guess
+            prompt = list(t.prompt_ids[:cap])
+        else:
+            prompt = list(ids[: min(t.prompt_len, cap)])
+            if len(prompt) != min(t.prompt_len, cap):
+                return None
+        answer = list(t.output_ids[: cap - len(prompt)])
         out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     return out
 
@@ -48,7 +57,9 @@ def _thinking_on(turn: Turn, message: dict) -> bool:
     return message.get("reasoning_content") is not None
 
 
-def template_generations(renderer, messages: list[dict], tools, turns: list[Turn]):
+def template_generations(
+    renderer, messages: list[dict], tools, turns: list[Turn], max_length: int | None = None
+):
     """(ids, mask) per regenerated assistant turn of a template-rendered row (`messages` in the
     template form, data.template_messages); None when a turn cannot be aligned with the template (the
     caller then uses the conversation-level sample)."""
@@ -73,7 +84,9 @@ def template_generations(renderer, messages: list[dict], tools, turns: list[Turn
         reasoning = msg.get("reasoning_content") or ""
         if thinking and not rest.startswith(reasoning):
             rest = reasoning + rest  # the template dropped it from this rendering; the target wrote it
-        ids, mask = renderer.tokenize_spans(prompt + rest, [(len(prompt), len(prompt) + len(rest))])
+        ids, mask = renderer.tokenize_spans(
+            prompt + rest, [(len(prompt), len(prompt) + len(rest))], max_length
+        )
         out.append((ids, mask))
     return out
 

@@ -288,12 +288,34 @@ def load_target_info(path: str | Path) -> TargetInfo:
         p = p / CONFIG_FILE
     if not p.is_file():
         raise FileNotFoundError(f"target config {p} not found: pass the target's config.json or its folder")
-    cfg = json.loads(p.read_text())
-    text = cfg.get("text_config") or cfg
+    cfg = read_config_json(p, "target config")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     missing = [
         k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text and k not in cfg
     ]
     if missing:
         raise ValueError(f"target config {p} lacks {', '.join(missing)} (also looked under text_config)")
     get = lambda k: text.get(k, cfg.get(k))  # noqa: E731
+    for k in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        if type(get(k)) is not int or get(k) < 1:
+            raise ValueError(f"target config {p}: {k} is {get(k)!r}, not a positive integer")
+    if get("num_hidden_layers") < 4:
+        # three distinct aux layers strictly inside the stack (default_aux_inputs)
+        raise ValueError(
+            f"target config {p}: num_hidden_layers is {get('num_hidden_layers')}; an EAGLE-3 draft needs a "
+            "target of at least 4 layers (three distinct aux layers): pass the target's own config.json"
+        )
     return TargetInfo(get("hidden_size"), get("num_hidden_layers"), get("vocab_size"), str(p))
+
+
+def read_config_json(path: str | Path, what: str = "config") -> dict:
+    """A config.json as a dict, or ValueError in one line (not JSON, nested past the parser's
+    recursion limit, not an object): the file is the operator's, the traceback would not help."""
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        raise ValueError(f"{what} {path} is not valid JSON ({why})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{what} {path} holds a JSON {type(cfg).__name__}, not an object of fields")
+    return cfg

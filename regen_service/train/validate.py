@@ -11,7 +11,6 @@ validate_config.py, tensor checks in validate_tensors.py, the d2t/t2d map and au
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -83,14 +82,9 @@ def validate_draft(
         )
         return rep
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        rep.add(
-            "config_invalid",
-            f"{cfg_path} is not valid JSON ({e})",
-            "re-export the draft",
-            file=fmt.CONFIG_FILE,
-        )
+        cfg = fmt.read_config_json(cfg_path, "draft config")
+    except ValueError as e:
+        rep.add("config_invalid", str(e), "re-export the draft", file=fmt.CONFIG_FILE)
         return rep
     if not files:
         rep.add(
@@ -103,7 +97,17 @@ def validate_draft(
     header: dict[str, dict] = {}
     owner: dict[str, Path] = {}
     for f in files:
-        for name, entry in read_safetensors_header(f).items():
+        try:
+            entries = read_safetensors_header(f)
+        except ValueError as e:
+            rep.add(
+                "weights_invalid",
+                str(e),
+                "re-export the draft (`regen export` or `regen convert-draft` write valid safetensors)",
+                file=f.name,
+            )
+            return rep
+        for name, entry in entries.items():
             header[name] = entry
             owner[name] = f
 
@@ -194,7 +198,7 @@ def _check_aux(rep: DraftReport, cfg: dict, target: fmt.TargetInfo | None, engin
             f"config.json was exported for {exported_for}, whose aux-layer ids mean something else than "
             f"{engine}'s (SGLang captures the input of layer id+1, vLLM the input of layer id): served by "
             f"{engine}, the draft would read other layers than it was trained on",
-            f"export the checkpoint again with `regen export fmt.CONFIG_FILEKPT --out DIR --engine {engine}`",
+            f"export the checkpoint again with `regen export CKPT --out DIR --engine {engine}`",
             file=fmt.CONFIG_FILE,
             key="regen.engine",
         )
@@ -224,7 +228,7 @@ def _check_aux(rep: DraftReport, cfg: dict, target: fmt.TargetInfo | None, engin
         reads = "captures the input of layer id+1" if engine == "sglang" else "captures the input of layer id"
         why = f"aux layer ids {bad} are outside {lo}..{hi}: {engine} {reads}, one of the target's {n} layers"
     fix = "write the distinct, increasing ids used in training"
-    if target is not None:
+    if target is not None and n >= 4:
         default = fmt.aux_inputs_to_config(fmt.default_aux_inputs(n), engine)
         fix += f" (the default for {n} layers is {default} in {engine}'s convention)"
     rep.add(code, f"eagle_aux_hidden_state_layer_ids {ids}: {why}", fix, file=fmt.CONFIG_FILE, key=_AUX_KEY)

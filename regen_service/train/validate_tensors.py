@@ -244,8 +244,30 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
         (n,) = struct.unpack("<Q", raw)
         if n > 100_000_000:
             raise ValueError(f"{path} is not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+            raise ValueError(f"{path} is not a safetensors file (its header is not JSON: {why})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header is a {type(header).__name__})")
     header.pop("__metadata__", None)
-    for entry in header.values():
+    for name, entry in header.items():
+        if not _entry_ok(entry):
+            raise ValueError(
+                f"{path} is not a safetensors file (header entry {name[:80]!r} lacks dtype, shape, data_offsets)"
+            )
         entry["data_start"] = 8 + n
     return header
+
+
+def _entry_ok(entry) -> bool:
+    ints = lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("dtype"), str)
+        and ints(entry.get("shape"))
+        and ints(entry.get("data_offsets"))
+        and len(entry["data_offsets"]) == 2
+        and entry["data_offsets"][0] <= entry["data_offsets"][1]
+    )

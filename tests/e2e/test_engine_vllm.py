@@ -234,7 +234,7 @@ def test_draft_trained_on_vllm_states_accepts_in_vllm(engine, target_dir, settin
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
             ids[i, : len(r["input_ids"])], mask[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"]), 1
-        vt = VllmTarget(str(target_dir), url)
+        vt = VllmTarget(str(target_dir), url, states_dir=tmp_path / "states")
         (a_v, p_v), (a_h, p_h) = vt(ids, mask), hf(ids, mask)
         vt.close()
         agreement = {}
@@ -252,7 +252,8 @@ def test_draft_trained_on_vllm_states_accepts_in_vllm(engine, target_dir, settin
         assert same_pred > 0.95  # bf16 engine vs fp32 copy: near-ties flip (0.971-0.990 seen)
 
         summary = _train(settings_env, res.run_id, target_dir, tmp_path / "out-vllm", cfg,
-                         "--target-backend", "vllm", "--target-endpoint", url)  # fmt: skip
+                         "--target-backend", "vllm", "--target-endpoint", url,
+                         "--target-states-dir", str(tmp_path / "states"))  # fmt: skip
         assert summary["consumed"] == res.num_shards
         assert not list((tmp_path / "states").glob("*.safetensors")), "every states file is read and removed"
     _train(settings_env, res.run_id, target_dir, tmp_path / "out-hf", cfg)

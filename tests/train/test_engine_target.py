@@ -56,6 +56,6 @@ def test_a_states_file_is_read_only_after_its_writer_releases_the_lock(tmp_path)
 
     threading.Thread(target=writer).start()
     t0 = time.monotonic()
-    data = read_state_file(path)
+    data = read_state_file(path, tmp_path)
     assert time.monotonic() - t0 >= 0.25 and data["hidden_states"].shape == (3, 4, 2)
     assert not (tmp_path / "req.safetensors").exists() and not (tmp_path / "req.safetensors.lock").exists()
