@@ -233,6 +233,7 @@ def test_vllm_per_source_figures_are_its_own_counters_over_those_requests(tmp_pa
         assert r.returncode == 0, r.stderr + r.stdout
         print(r.stdout)
         data = json.loads(out.read_text())
+        print(json.dumps(data["modes"], indent=1))
         (mode,) = data["modes"]
         got = {s["source"]: s for s in mode["sources"]}
         assert sorted(got) == ["a", "b", "c"] and all(s["num_prompts"] == 2 for s in got.values())
