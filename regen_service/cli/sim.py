@@ -11,6 +11,19 @@ import click
 from regen_service.cli.base import main
 
 
+def _accept_rules(_ctx, _param, values: tuple[str, ...]) -> dict[str, float]:
+    rules = {}
+    for v in values:
+        text, sep, length = v.rpartition("=")
+        try:
+            rules[text] = float(length)
+        except ValueError:
+            sep = ""
+        if not sep or not text:
+            raise click.BadParameter(f"{v!r}: write TEXT=L, e.g. integral=3.5")
+    return rules
+
+
 @main.command("sim")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option("--port", type=int, default=30000, show_default=True, help="TCP port (0 = any free port).")
@@ -132,6 +145,14 @@ from regen_service.cli.base import main
     default=0.0,
     show_default=True,
     help="Speculative mode: accept length L (0 = off).",
+)
+@click.option(
+    "--spec-accept-rule",
+    "spec_accept_rules",
+    multiple=True,
+    callback=_accept_rules,
+    metavar="TEXT=L",
+    help="Repeatable: a prompt containing TEXT reports accept length L (others: --spec-accept-length).",
 )
 @click.option(
     "--spec-speedup",

@@ -7,21 +7,32 @@ server's `avg_spec_accept_length` comes from `internal_states[i]` of `/server_in
 `/get_server_info`). On vLLM they go to `/v1/completions`, and the accept length of the run is
 1 + accepted / drafts from the growth of `vllm:spec_decode_num_accepted_tokens_total` and
 `vllm:spec_decode_num_drafts_total` on `/metrics` over the run (vLLM 0.32 `v1/spec_decode/metrics.py`).
-`{"messages": [...]}` rows go to `/v1/chat/completions` on both. An accept length near 1.0 means the
-draft contributes nothing: `diagnose` lists the likely causes. Output formatting is the CLI's job.
+`{"messages": [...]}` rows go to `/v1/chat/completions` on both (SGLang with `return_meta_info`). The
+requests and the counter readers are spec_client.py's (shared with `regen eval-draft`). An accept length
+near 1.0 means the draft contributes nothing: `diagnose` lists the likely causes. Output formatting is
+the CLI's job.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from regen_service.errors import ConfigError, RegenError
+from regen_service.deploy.spec_client import (  # noqa: F401  (load_prompts, the accept readers: bench's API)
+    Prompt,
+    engine_of,
+    fetch_server_accept,
+    load_prompts,
+    open_client,
+    request_accept_length,
+    send,
+    server_accept_length,
+    vllm_spec_counters,
+)
+from regen_service.errors import ConfigError
 
 COLLAPSED_ACCEPT_LENGTH = 1.05
 LIKELY_CAUSES = (
@@ -35,13 +46,6 @@ LIKELY_CAUSES = (
     "the draft was trained; SGLang and vLLM read those ids differently): run `regen validate-draft DIR "
     "--engine sglang|vllm` and re-export with `regen export --engine` for the engine that serves it",
 )
-
-
-class Prompt(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    prompt: str | None = None
-    messages: list[dict] | None = None
 
 
 class RunResult(BaseModel):
@@ -70,108 +74,6 @@ class BenchReport(BaseModel):
     diagnosis: list[str] = Field(default_factory=list)
 
 
-def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            p = Prompt.model_validate(json.loads(line))
-        except (json.JSONDecodeError, ValueError) as e:
-            raise ConfigError(f"{path}:{n}: not a JSON object ({e})") from None
-        if (p.prompt is None) == (p.messages is None):
-            raise ConfigError(f'{path}:{n}: give exactly one of "prompt" (a string) or "messages" (a list)')
-        prompts.append(p)
-    if not prompts:
-        raise ConfigError(f"{path} holds no prompts; write one JSON object per line")
-    return prompts[:limit] if limit else prompts
-
-
-def request_accept_length(meta: dict) -> float | None:
-    """Accept length of one finished request: completion tokens / verify passes, else spec_accept_length."""
-    verify = meta.get("spec_verify_ct")
-    tokens = meta.get("completion_tokens")
-    if verify and tokens:
-        return float(tokens) / float(verify)
-    value = meta.get("spec_accept_length")
-    return float(value) if value is not None else None
-
-
-def server_accept_length(info: dict) -> float | None:
-    """Mean `avg_spec_accept_length` over `internal_states[]` (one per DP rank); never the top level."""
-    values = [
-        float(s["avg_spec_accept_length"])
-        for s in info.get("internal_states") or []
-        if isinstance(s, dict) and s.get("avg_spec_accept_length") is not None
-    ]
-    return sum(values) / len(values) if values else None
-
-
-VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
-VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-
-
-def prometheus_total(text: str, name: str) -> float | None:
-    """The sum of a counter over all its label sets in Prometheus text format (None: not exported)."""
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return total if seen else None
-
-
-async def vllm_spec_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
-    """(drafts, accepted tokens) so far on a vLLM server, or None when it runs without a draft."""
-    r = await client.get("/metrics")
-    if r.status_code != 200:
-        return None
-    drafts, accepted = prometheus_total(r.text, VLLM_DRAFTS), prometheus_total(r.text, VLLM_ACCEPTED)
-    return None if drafts is None or accepted is None else (drafts, accepted)
-
-
-async def detect_engine(client: httpx.AsyncClient, label: str) -> str:
-    from regen_service.work.client.engines import engine_from
-
-    async def body(path: str) -> bytes | None:
-        r = await client.get(path)
-        return r.content if r.status_code == 200 else None
-
-    info = await body("/get_server_info") or await body("/server_info")
-    if info is not None:
-        return engine_from(info, None, None, label)
-    return engine_from(None, await body("/version"), await body("/v1/models"), label)
-
-
-async def _one(client: httpx.AsyncClient, p: Prompt, max_new_tokens: int, engine: str) -> tuple[int, dict]:
-    if p.prompt is not None and engine == "vllm":
-        body = {"prompt": p.prompt, "max_tokens": max_new_tokens, "temperature": 0}
-        r = await client.post("/v1/completions", json=body)
-        r.raise_for_status()
-        return int((r.json().get("usage") or {}).get("completion_tokens") or 0), {}
-    if p.prompt is not None:
-        body = {"text": p.prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-        r = await client.post("/generate", json=body)
-        r.raise_for_status()
-        meta = r.json().get("meta_info") or {}
-        return int(meta.get("completion_tokens") or 0), meta
-    body = {"messages": p.messages, "max_tokens": max_new_tokens, "temperature": 0}
-    r = await client.post("/v1/chat/completions", json=body)
-    r.raise_for_status()
-    return int((r.json().get("usage") or {}).get("completion_tokens") or 0), {}
-
-
-async def fetch_server_accept(client: httpx.AsyncClient) -> float | None:
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            r = await client.get(path)
-        except httpx.HTTPError:
-            continue
-        if r.status_code == 200:
-            return server_accept_length(r.json())
-    return None
-
-
 async def run_once(
     url: str,
     prompts: list[Prompt],
@@ -180,21 +82,14 @@ async def run_once(
     api_key: SecretStr | None,
     timeout_s: float,
 ) -> RunResult:
-    headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 2)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
-        try:
-            engine = await detect_engine(client, url)
-        except httpx.HTTPError as e:
-            raise ConfigError(f"{url} does not answer ({e}); is the server up?") from None
-        except RegenError as e:
-            raise ConfigError(str(e)) from None
+    async with open_client(url, api_key, timeout_s, concurrency) as client:
+        engine = await engine_of(client, url)
         sem = asyncio.Semaphore(concurrency)
 
         async def guarded(p: Prompt):
             async with sem:
                 try:
-                    return await _one(client, p, max_new_tokens, engine)
+                    return await send(client, p, max_new_tokens, engine)
                 except httpx.HTTPError as e:
                     return e
 

@@ -65,6 +65,9 @@ class SimConfig(BaseModel):
     # Speculative decoding model: 0 = off.
     spec_accept_length: float = Field(default=0.0, ge=0)
     spec_speedup: float | None = Field(default=None, gt=0)
+    # Per-prompt accept lengths, for exact per-source checks (eval-draft): the first rule whose text
+    # the rendered prompt contains sets that request's accept length; others get spec_accept_length.
+    spec_accept_rules: dict[str, float] = Field(default_factory=dict)
 
     # Faults, each decided once per request attempt.
     fault_503_rate: float = Field(default=0.0, ge=0, le=1)
@@ -82,6 +85,13 @@ class SimConfig(BaseModel):
     @property
     def spec_on(self) -> bool:
         return self.spec_accept_length > 0
+
+    def accept_length_for(self, prompt_text: str) -> float:
+        """The accept length a request with this prompt reports (0 when speculation is off)."""
+        if not self.spec_on:
+            return 0.0
+        rule = next((v for k, v in self.spec_accept_rules.items() if k in prompt_text), None)
+        return self.spec_accept_length if rule is None else rule
 
     @property
     def effective_spec_speedup(self) -> float:

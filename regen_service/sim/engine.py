@@ -46,6 +46,7 @@ class Prepared:
     answer: Answer
     num_tokens: int  # tokens produced when no fault interferes: the answer cut at max_new_tokens
     t_arrival: float
+    accept_length: float = 0.0  # speculative accept length of this request (0: speculation off)
 
     @property
     def cut(self) -> bool:
@@ -99,9 +100,10 @@ class Engine:
         max_new = _max_new(max_new_tokens, 128, room)
         if self.hf is not None:
             ids = input_ids if input_ids is not None else self.tok.encode(text)
-            return self._prepared(rid, prompt_tokens, self.hf.answer(ids, max_new), max_new, t0)
-        answer = build_answer(key, self.cfg, self.tok, think_mode(prompt_text), tools, last_user)
-        return self._prepared(rid, prompt_tokens, answer, max_new, t0)
+            answer = self.hf.answer(ids, max_new)
+        else:
+            answer = build_answer(key, self.cfg, self.tok, think_mode(prompt_text), tools, last_user)
+        return self._prepared(rid, prompt_tokens, answer, max_new, t0, prompt_text)
 
     def prepare_chat(self, messages, tools, template_kwargs, max_tokens, rid) -> Prepared:
         t0 = time.monotonic()
@@ -120,15 +122,17 @@ class Engine:
         eligible = bool(tools) and messages[-1].get("role") == "user"
         max_new = _max_new(max_tokens, room, room)
         if self.hf is not None:
-            return self._prepared(
-                rid, prompt_tokens, self.hf.answer(self.tok.encode(prompt_text), max_new), max_new, t0
-            )
-        answer = build_answer(key, self.cfg, self.tok, think_mode(prompt_text), tools, eligible)
-        return self._prepared(rid, prompt_tokens, answer, max_new, t0)
+            answer = self.hf.answer(self.tok.encode(prompt_text), max_new)
+        else:
+            answer = build_answer(key, self.cfg, self.tok, think_mode(prompt_text), tools, eligible)
+        return self._prepared(rid, prompt_tokens, answer, max_new, t0, prompt_text)
 
-    def _prepared(self, rid, prompt_tokens: int, answer: Answer, max_new: int, t0: float) -> Prepared:
+    def _prepared(
+        self, rid, prompt_tokens: int, answer: Answer, max_new: int, t0: float, prompt_text: str
+    ) -> Prepared:
         rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
-        return Prepared(rid, prompt_tokens, answer, min(len(answer.ids), max_new), t0)
+        accept = self.cfg.accept_length_for(prompt_text)
+        return Prepared(rid, prompt_tokens, answer, min(len(answer.ids), max_new), t0, accept)
 
     def start(self, prep: Prepared, faults: bool = True) -> Run:
         """Decide this attempt's faults and admit it; raises QueueFull (answered as 503)."""
@@ -149,10 +153,11 @@ class Engine:
         self.stats.started(prep.prompt_tokens)
         return Run(self, prep, plan, job)
 
-    def spec_fields(self, completion_tokens: int) -> dict:
-        if not self.cfg.spec_on or completion_tokens <= 0:
+    @staticmethod
+    def spec_fields(completion_tokens: int, accept_length: float) -> dict:
+        if accept_length <= 0 or completion_tokens <= 0:
             return {}
-        verify_ct = math.ceil(completion_tokens / self.cfg.spec_accept_length)
+        verify_ct = math.ceil(completion_tokens / accept_length)
         return {"spec_verify_ct": verify_ct, "spec_accept_length": completion_tokens / verify_ct}
 
 
@@ -195,7 +200,7 @@ class Run:
 
     def finish(self, completion_tokens: int) -> dict:
         """Count the attempt as completed; returns the speculative meta fields, if any."""
-        spec = self.engine.spec_fields(completion_tokens)
+        spec = self.engine.spec_fields(completion_tokens, self.prep.accept_length)
         if self.plan.kind != "abort":  # an aborted answer is not a completed one
             e2e = time.monotonic() - self.prep.t_arrival
             self.engine.stats.finished(e2e, completion_tokens, spec.get("spec_verify_ct", 0))

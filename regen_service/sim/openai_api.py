@@ -79,7 +79,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _stream(request, engine, run, reasoning, tools, include_usage)
-        return await _whole(request, engine, run, reasoning, tools)
+        return await _whole(request, engine, run, reasoning, tools, bool(body.get("return_meta_info")))
     except Lost:
         return web.Response(status=503)
     finally:
@@ -123,7 +123,9 @@ def _base(run: Run, engine: Engine, obj: str) -> dict:
     return {"id": run.prep.rid, "object": obj, "created": int(time.time()), "model": engine.cfg.model}
 
 
-async def _whole(request, engine: Engine, run: Run, reasoning: bool, tools: bool) -> web.StreamResponse:
+async def _whole(
+    request, engine: Engine, run: Run, reasoning: bool, tools: bool, meta_info: bool = False
+) -> web.StreamResponse:
     k = await run.drain()
     if run.plan.kind == "disconnect":
         engine.stats.num_disconnects_injected += 1
@@ -141,19 +143,22 @@ async def _whole(request, engine: Engine, run: Run, reasoning: bool, tools: bool
         "reasoning_content": parts.reasoning,
         "tool_calls": calls,
     }
-    run.finish(k)
-    out = _base(run, engine, "chat.completion") | {
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": finish,
-                "matched_stop": engine.tok.im_end_id if finish == "stop" else None,
-            }
-        ],
-        "usage": _usage(run, k, parts),
+    spec = run.finish(k)
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finish,
+        "matched_stop": engine.tok.im_end_id if finish == "stop" else None,
     }
+    if meta_info:  # SGLang's `return_meta_info`: the native meta_info on the choice (non-streaming)
+        choice["meta_info"] = {
+            "id": run.prep.rid,
+            "prompt_tokens": run.prep.prompt_tokens,
+            "completion_tokens": k,
+            **spec,
+        }
+    out = _base(run, engine, "chat.completion") | {"choices": [choice], "usage": _usage(run, k, parts)}
     return json_response(out)
 
 
