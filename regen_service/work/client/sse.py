@@ -25,12 +25,15 @@ from regen_service.work.client.http import ReplyTooLargeError, RetryableError, S
 from regen_service.work.client.server_text import server_text
 
 _DONE = object()
+# What holding one data line costs beyond its bytes (a str object and a list slot): counted, so that an
+# event of many tiny lines is bounded by the memory it takes, not only by its bytes on the wire.
+_LINE_OVERHEAD = 64
 _SKIP = object()  # a completed event whose payload is not a JSON object: counted, not fed
 
 
 class _SSEParser:
     """Lines in, JSON payloads out: `data:` fields joined, an event per blank line, [DONE] the end.
-    `size` is what the current event holds (bytes of its data lines), bounded by `max_bytes`."""
+    `size` is what the current event holds (its data lines' bytes and their overhead), at most `max_bytes`."""
 
     __slots__ = ("data", "endpoint", "max_bytes", "size")
 
@@ -43,7 +46,7 @@ class _SSEParser:
     def line(self, line: str, nbytes: int | None = None) -> object:
         """The event this line completes (a dict, _SKIP or _DONE), else None."""
         if line.startswith("data:"):
-            self.size += len(line) if nbytes is None else nbytes
+            self.size += (len(line) if nbytes is None else nbytes) + _LINE_OVERHEAD
             if self.max_bytes is not None and self.size > self.max_bytes:
                 raise ReplyTooLargeError(
                     f"{self.endpoint} sent a stream event over max_reply_bytes ({self.max_bytes} bytes of "
