@@ -4,11 +4,13 @@
 reads SGLang's limits from /get_server_info (vLLM reports none). `send` makes one attempt on either API
 (token-exact: SGLang's /generate, vLLM's /v1/completions with token ids) and returns a Completion
 or raises a classified error (http.py; replies of the wrong shape: replies.py). Every attempt is
-bounded: `request_timeout_s` end to end, `max_reply_bytes` per body or stream line, and a stream past
-max_new_tokens + `stream_slack_events` events is cut (all retryable). The breaker ejects the endpoint after
-`breaker_failure_threshold` consecutive retryable failures, or at once on a refused connection, and
-probes /health with exponential backoff; a probe that passes re-runs `check` before the endpoint
-takes traffic again. Routing and retries across endpoints are pool.py's job.
+bounded: `request_timeout_s` end to end, `max_reply_bytes` per body, stream line or stream event, a
+stream past max_new_tokens + `stream_slack_events` events is cut, one that completes no event for
+`stall_timeout_s` too (all retryable; sse.py). Server text reaches errors and logs only through
+server_text.py (scrubbed, cut, escaped), and answers quoting the API key are scrubbed before return.
+The breaker ejects the endpoint after `breaker_failure_threshold` consecutive retryable failures, or at
+once on a refused connection, and probes /health with exponential backoff; a probe that passes re-runs
+`check` before the endpoint takes traffic again. Routing and retries across endpoints are pool.py's job.
 """
 
 from __future__ import annotations
