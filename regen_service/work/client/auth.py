@@ -51,8 +51,12 @@ def load_api_key(env_var: str | None = None, file: str | None = None) -> SecretS
 
 _SECRETS: set[str] = set()
 _LOCK = threading.Lock()
-# user:password@ inside any URL in a text (http://u:p@host, redis://:p@host)
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^\s/@:]*):[^\s/@]*@")
+# user:password@ inside any URL in a text (http://u:p@host, redis://:p@host). The scheme's length is
+# bounded: unbounded, a long run of letters costs quadratic time, and whole error bodies (up to
+# max_reply_bytes) are scrubbed before they are cut.
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]{0,31}://)(?P<user>[^\s/@:]*):[^\s/@]*@")
+# What a scrubbed secret reads as.
+MARKER = "***"
 
 
 def register_secret(secret: SecretStr | str | None) -> None:
@@ -64,12 +68,20 @@ def register_secret(secret: SecretStr | str | None) -> None:
 
 
 def scrub_secrets(text: str) -> str:
-    """`text` with every registered secret and every URL password replaced by '***'."""
-    text = _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    """`text` with every registered secret and every URL password replaced by '***'. Scrub whole
+    texts, before any cut (server_text.py): a cut first keeps the first characters of a key."""
+    text = _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:{MARKER}@", text)
+    return scrub_registered(text)[0]
+
+
+def scrub_registered(text: str) -> tuple[str, int]:
+    """`text` with every registered secret (not URL credentials) replaced by '***', and how many."""
+    found = 0
     for secret in sorted(_SECRETS, key=len, reverse=True):
         if secret in text:
-            text = text.replace(secret, "***")
-    return text
+            found += text.count(secret)
+            text = text.replace(secret, MARKER)
+    return text, found
 
 
 def install_log_scrubber() -> None:

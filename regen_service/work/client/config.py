@@ -35,13 +35,15 @@ class PoolConfig(BaseModel):
     # Non-streaming requests only: the whole answer arrives at the end, so this must cover a full
     # generation (None: no limit besides request_timeout_s).
     read_timeout_s: float | None = Field(default=None, gt=0)
-    # Streaming: no byte for this long means the request is stuck (retryable).
+    # Streaming: no completed event for this long means the request is stuck (retryable); comments
+    # (`: keepalive`) and blank lines are not progress.
     stall_timeout_s: float = Field(default=60.0, gt=0)
     # One attempt, end to end (None: unbounded). Stalls are caught sooner by stall_timeout_s; this
     # catches a server that keeps sending without ever finishing. Kimi-K2.5 thinking answers run to
     # 16K-32K tokens; at a loaded server's ~20 tok/s per request that is under 30 minutes.
     request_timeout_s: float | None = Field(default=3600.0, gt=0)
-    # A non-streaming reply (or an error body, or one stream line) larger than this is cut, retryable:
+    # A non-streaming reply (or an error body, one stream line, or one stream event's data lines
+    # together) larger than this is cut, retryable:
     # 32K tokens of text plus their ids is well under 1 MiB, so 16 MiB is slack, not a limit on answers.
     max_reply_bytes: int = Field(default=16 << 20, ge=1024)
     # A stream is cut (retryable) once it sent this many events more than the request's max_new_tokens

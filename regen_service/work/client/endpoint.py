@@ -4,11 +4,13 @@
 reads SGLang's limits from /get_server_info (vLLM reports none). `send` makes one attempt on either API
 (token-exact: SGLang's /generate, vLLM's /v1/completions with token ids) and returns a Completion
 or raises a classified error (http.py; replies of the wrong shape: replies.py). Every attempt is
-bounded: `request_timeout_s` end to end, `max_reply_bytes` per body or stream line, and a stream past
-max_new_tokens + `stream_slack_events` events is cut (all retryable). The breaker ejects the endpoint after
-`breaker_failure_threshold` consecutive retryable failures, or at once on a refused connection, and
-probes /health with exponential backoff; a probe that passes re-runs `check` before the endpoint
-takes traffic again. Routing and retries across endpoints are pool.py's job.
+bounded: `request_timeout_s` end to end, `max_reply_bytes` per body, stream line or stream event, a
+stream past max_new_tokens + `stream_slack_events` events is cut, one that completes no event for
+`stall_timeout_s` too (all retryable; sse.py). Server text reaches errors and logs only through
+server_text.py (scrubbed, cut, escaped), and answers quoting the API key are scrubbed before return.
+The breaker ejects the endpoint after `breaker_failure_threshold` consecutive retryable failures, or at
+once on a refused connection, and probes /health with exponential backoff; a probe that passes re-runs
+`check` before the endpoint takes traffic again. Routing and retries across endpoints are pool.py's job.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from yarl import URL
 from regen_service.errors import EndpointTerminalError, RowTerminalError
 from regen_service.settings import redact_url
 from regen_service.work.client import metrics
-from regen_service.work.client.auth import auth_headers, scrub
+from regen_service.work.client.auth import auth_headers, register_secret
 from regen_service.work.client.config import PoolConfig
 from regen_service.work.client.engines import (
     VLLM_COMPLETIONS_PATH,
@@ -46,6 +48,7 @@ from regen_service.work.client.http import (
     read_limited,
 )
 from regen_service.work.client.replies import SHAPE_ERRORS, check_shape, malformed, max_events, parse_reply
+from regen_service.work.client.server_text import redact_answer, server_text
 from regen_service.work.client.sse import read_sse
 from regen_service.work.client.streams import ChatStream, GenerateStream, Timer
 
@@ -136,7 +139,7 @@ class Endpoint:
         """Never use this endpoint again (401, wrong model)."""
         if self.stopped:
             return
-        self.stopped_reason = scrub(reason, self.config.api_key)
+        self.stopped_reason = self._clean(reason)
         log.error("endpoint %s stopped: %s", self.label, self.stopped_reason)
         self._health_metric()
 
@@ -173,12 +176,12 @@ class Endpoint:
                 status, body = resp.status, await read_limited(resp, self.config.max_reply_bytes, self.label)
         except aiohttp.ClientConnectorError as e:
             raise ConnectionRefusedRetryable(
-                f"{self.label}{path}: cannot connect ({scrub(str(e), self.config.api_key)})",
+                f"{self.label}{path}: cannot connect ({self._clean(e)})",
                 endpoint=self.label,
             ) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise RetryableError(
-                f"{self.label}{path}: {type(e).__name__} {scrub(str(e), self.config.api_key)}".strip(),
+                f"{self.label}{path}: {type(e).__name__} {self._clean(e)}".strip(),
                 endpoint=self.label,
             ) from None
         if status == 404:
@@ -195,7 +198,7 @@ class Endpoint:
             served = await self._served_models()
             if served and not any(_same_model(s, target_model) for s in served):
                 raise WrongModelError(
-                    f"{self.label} serves {sorted(served)}, not the target model {target_model!r}",
+                    f"{self.label} serves {server_text(sorted(served))}, not the target model {target_model!r}",
                     endpoint=self.label,
                 )
             await self._read_limits()
@@ -286,7 +289,7 @@ class Endpoint:
         if self.ejected or self.stopped:
             return
         self.ejected = True
-        why = scrub(why)
+        why = self._clean(why)
         log.warning("endpoint %s ejected after %d failure(s): %s", self.label, self.consecutive_failures, why)
         self._health_metric()
         self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
@@ -300,7 +303,7 @@ class Endpoint:
             except EndpointTerminalError:
                 break
             except Exception as e:  # any failure to answer means: still down
-                log.debug("probe of %s failed: %s", self.label, e)
+                log.debug("probe of %s failed: %s", self.label, self._clean(e))
                 delay = min(delay * 2, self.config.breaker_probe_max_s)
                 continue
             self.ejected = False
@@ -331,14 +334,14 @@ class Endpoint:
         coro = self._stream(url, api, body) if stream else self._once(url, api, body)
         try:
             timeout = self.config.request_timeout_s
-            return await (coro if timeout is None else asyncio.wait_for(coro, timeout))
+            done = await (coro if timeout is None else asyncio.wait_for(coro, timeout))
         except aiohttp.ClientConnectorError as e:
             raise ConnectionRefusedRetryable(
-                f"{self.label}: cannot connect ({self._scrub(e)})", endpoint=self.label
+                f"{self.label}: cannot connect ({self._clean(e)})", endpoint=self.label
             ) from None
         except aiohttp.ClientError as e:  # read timeouts, resets, disconnects mid-body
             raise RetryableError(
-                f"{self.label}: {type(e).__name__} {self._scrub(e)}".strip(), endpoint=self.label
+                f"{self.label}: {type(e).__name__} {self._clean(e)}".strip(), endpoint=self.label
             ) from None
         except asyncio.TimeoutError:
             raise RetryableError(
@@ -346,11 +349,16 @@ class Endpoint:
             ) from None
         except OSError as e:  # a socket error aiohttp did not wrap
             raise RetryableError(
-                f"{self.label}: {type(e).__name__} {self._scrub(e)}".strip(), endpoint=self.label
+                f"{self.label}: {type(e).__name__} {self._clean(e)}".strip(), endpoint=self.label
             ) from None
+        redact_answer(done, self.label)  # a server quoting the key back must not put it in a row
+        return done
 
-    def _scrub(self, e: BaseException) -> str:
-        return scrub(str(e), self.config.api_key)
+    def _clean(self, text: object) -> str:
+        """Text that may hold the server's words, fit for a log line or an error (server_text.py): not
+        cut again, since the errors regen builds cut the server's part already."""
+        register_secret(self.config.api_key)
+        return server_text(text, None)
 
     def _check_length(self, n: int) -> None:
         # SGLang rejects input_len >= context_length (and > max_req_input_len): do it without a request.
@@ -398,7 +406,7 @@ class Endpoint:
                     raise_for_status(
                         resp.status, await read_limited(resp, c.max_reply_bytes, self.label), self.label
                     )
-                await read_sse(resp.content, c.stall_timeout_s, self.label, feed, max_line_bytes=c.max_reply_bytes,
+                await read_sse(resp.content, c.stall_timeout_s, self.label, feed, max_event_bytes=c.max_reply_bytes,
                                max_events=max_events(body, c.stream_slack_events))  # fmt: skip
         except StreamModeError:
             # The server's mode is not what we believed (restarted with another flag): detect it from

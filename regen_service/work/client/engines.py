@@ -20,6 +20,7 @@ from typing import Literal
 
 from regen_service.errors import EndpointTerminalError
 from regen_service.work.client.http import Completion, RetryableError, event_error
+from regen_service.work.client.server_text import server_text
 
 Engine = Literal["sglang", "vllm"]
 EngineChoice = Literal["auto", "sglang", "vllm"]
@@ -50,7 +51,7 @@ def engine_from(server_info: bytes | None, version: bytes | None, models: bytes 
         return "vllm"
     raise NotAnEngineError(
         f"{label} answers neither like SGLang (/get_server_info, /server_info) nor like vLLM (/version, and "
-        f"/v1/models owned by vllm; it lists owners {sorted(o for o in owners if o)}); regen drives those two "
+        f"/v1/models owned by vllm; it lists owners {server_text(sorted(str(o) for o in owners if o))}); regen drives those two "
         "engines: start one of them there, or pass --engine sglang|vllm if a proxy hides those paths",
         endpoint=label,
     )

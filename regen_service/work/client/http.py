@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from regen_service.errors import EndpointTerminalError, RetryableError, RowTerminalError
-from regen_service.work.client.auth import scrub_secrets
+from regen_service.work.client.server_text import server_text
 from schemas.conversation import ToolCall
 
 
@@ -88,8 +88,9 @@ class Completion:
 
 
 def status_error(status: int, detail: str, endpoint: str) -> Exception:
-    """The regen error for a non-2xx status (or an in-body error code); the server's text scrubbed."""
-    detail = scrub_secrets(detail)
+    """The regen error for a non-2xx status (or an in-body error code); the server's text scrubbed,
+    cut and escaped (server_text: idempotent, so a detail cleaned by the caller is unchanged)."""
+    detail = server_text(detail)
     msg = f"{endpoint} answered {status}: {detail}"
     if status in (401, 403):
         return EndpointTerminalError(
@@ -103,18 +104,19 @@ def status_error(status: int, detail: str, endpoint: str) -> Exception:
 
 
 def error_detail(body: bytes | str) -> str:
-    """The human message inside an SGLang error body ({"error": {...}}, {"message": ...} or text)."""
+    """The human message inside an SGLang error body ({"error": {...}}, {"message": ...} or text),
+    scrubbed of secrets before it is cut (server_text)."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         data = json.loads(text)
     except ValueError:
-        return text.strip()[:500] or "(empty body)"
+        return server_text(text.strip()) or "(empty body)"
     if isinstance(data, dict):
         err = data.get("error", data)
         if isinstance(err, dict):
-            return str(err.get("message") or err)[:500]
-        return str(err)[:500]
-    return text.strip()[:500]
+            return server_text(err.get("message") or err)
+        return server_text(err)
+    return server_text(text.strip())
 
 
 def raise_for_status(status: int, body: bytes, endpoint: str) -> None:
@@ -136,11 +138,9 @@ def error_code(err: dict) -> int | None:
 def event_error(err: object, endpoint: str) -> Exception:
     """The regen error for an `{"error": ...}` object found in a 200 body or a stream event."""
     if not isinstance(err, dict):
-        return UncodedStreamError(
-            f"{endpoint} sent an error event: {scrub_secrets(str(err)[:500])}", endpoint=endpoint
-        )
+        return UncodedStreamError(f"{endpoint} sent an error event: {server_text(err)}", endpoint=endpoint)
     code = error_code(err)
-    detail = scrub_secrets(str(err.get("message") or err)[:500])
+    detail = server_text(err.get("message") or err)
     if code is None:
         return UncodedStreamError(
             f"{endpoint} sent an error event without a code: {detail}", endpoint=endpoint
@@ -153,7 +153,7 @@ def check_abort(finish_reason: object, endpoint: str) -> None:
     if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
         return
     code = error_code(finish_reason)
-    detail = scrub_secrets(str(finish_reason.get("message") or "aborted")[:500])
+    detail = server_text(finish_reason.get("message") or "aborted")
     if code is not None and 400 <= code < 500:
         raise status_error(code, f"request aborted: {detail}", endpoint)
     raise RetryableError(

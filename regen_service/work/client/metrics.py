@@ -31,3 +31,7 @@ TTFT = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
 RETRIES_EXHAUSTED = Counter("regen_client_retries_exhausted_total", "Requests that ran out of attempts")
+# Answers in which a registered secret (the API key, quoted back by a server) was replaced by ***.
+ANSWERS_SCRUBBED = Counter(
+    "regen_client_answers_scrubbed_total", "Answers that quoted the API key (replaced by ***)", ["endpoint"]
+)

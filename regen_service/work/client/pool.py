@@ -31,10 +31,10 @@ from regen_service.errors import (
     RowTerminalError,
 )
 from regen_service.work.client import metrics
-from regen_service.work.client.auth import scrub_secrets
 from regen_service.work.client.config import PoolConfig
 from regen_service.work.client.endpoint import Endpoint, WrongModelError
 from regen_service.work.client.http import Completion, UncodedStreamError
+from regen_service.work.client.server_text import server_text
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class EndpointPool:
             elif isinstance(res, EndpointTerminalError):
                 pass  # stopped (401), logged by the endpoint
             elif isinstance(res, BaseException):
-                why = scrub_secrets(str(res))
+                why = server_text(res)
                 log.warning("endpoint %s is down at start (%s); probing it", ep.label, why)
                 ep.start_probing(why)
         if wrong_model is not None:
@@ -253,7 +253,7 @@ class EndpointPool:
                 state.stream = False
             # DEBUG: at 5% 503s a busy worker would log hundreds of these a minute; the counts are in the
             # metrics (regen_client_errors_total) and each row's `attempts`, ejections log at WARNING.
-            log.debug("attempt %d on %s failed: %s", state.number, ep.label, scrub_secrets(str(e)))
+            log.debug("attempt %d on %s failed: %s", state.number, ep.label, server_text(e, None))
             raise
         except RowTerminalError:
             ep.count_error("terminal_row")

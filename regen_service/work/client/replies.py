@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from regen_service.work.client.auth import scrub_secrets
 from regen_service.work.client.engines import completions_from_body
 from regen_service.work.client.http import Completion, RetryableError
+from regen_service.work.client.server_text import server_text
 from regen_service.work.client.streams import chat_message_completion, generate_completion_from_body
 
 # What reading a reply of the wrong shape raises (a list where a dict was due, a missing field...).
@@ -25,7 +25,7 @@ class MalformedReplyError(RetryableError):
 
 def malformed(e: BaseException, endpoint: str) -> MalformedReplyError:
     return MalformedReplyError(
-        f"{endpoint} sent a reply regen cannot read ({type(e).__name__}: {scrub_secrets(str(e)[:200])})",
+        f"{endpoint} sent a reply regen cannot read ({type(e).__name__}: {server_text(e, 200)})",
         endpoint=endpoint,
     )
 
