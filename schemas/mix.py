@@ -231,4 +231,9 @@ def load_mix(path: str | Path) -> MixSpec:
         raise MixError(f"{p}: {err}") from None
     except yaml.YAMLError as err:
         raise MixError(f"{p}: not valid YAML: {err}") from None
+    except RecursionError:
+        # PyYAML builds nodes recursively: a 100k-deep `[[[...` ends the stack, not the parse
+        raise MixError(
+            f"{p}: nested too deeply to be a mix (a mix is a few levels deep: name, target, sources)"
+        ) from None
     return parse_mix(data, where=str(p), base_dir=str(p.resolve().parent))
