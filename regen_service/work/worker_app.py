@@ -102,8 +102,10 @@ class WorkerApp:
                 raise ConfigError(f"invalid redo_errors {redo_errors!r}: one of None, 'exhausted', 'all'")
             check_shard_of_run(layout, shard_id)
         except ConfigError as exc:
-            log.error("refused a task: %s", one_line(str(exc), 300))
-            raise Reject(str(exc), requeue=False) from None
+            # Acked as a failed task (Flower shows why), counted nowhere: the ledger never sees it.
+            why = one_line(str(exc), 300)
+            log.error("refused a task: %s", why)
+            raise ShardFailedError(f"refused: {why}") from None
         try:
             outcome = process_shard(self.runtime(), run_id, shard_id, redo_errors=redo_errors)
         except (ShardBusy, LeaseLostError) as exc:
@@ -151,7 +153,8 @@ class WorkerApp:
 
 
 class ShardFailedError(TerminalError):
-    """The shard was failed for a reason its task states (Celery logs it without a traceback)."""
+    """The task ends failed for the reason it states: a shard failed (its state says so) or a task
+    refused. An expected error for Celery: logged in one line, no traceback, acked, never retried."""
 
 
 def _flower_name(args) -> str | None:
