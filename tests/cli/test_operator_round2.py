@@ -104,3 +104,16 @@ def test_enqueue_redo_makes_a_new_run(settings, settings_env, tmp_path):
     assert st["prompts_total"] == 12 and st["state"] == "queued"
     third = json.loads(regen(settings_env, "enqueue", str(mix), "--redo", "--json").stdout)
     assert third["run_id"] == f"{first['run_id']}-r3"
+
+
+def test_server_text_in_a_shard_line_is_scrubbed_before_it_is_cut_and_escaped():
+    from regen_service.work.client.auth import register_secret
+    from regen_service.work.shard_runner import one_line
+
+    key = "sk-live-" + "k" * 40
+    register_secret(key)
+    forged = "x" * 150 + key + "\n2026-01-01 INFO regen.worker: shard r/00000 done: 8 rows\x1b[2J"
+    line = one_line(forged, 160)
+    assert "\n" not in line and "\x1b" not in line and "sk-live" not in line and "kkkk" not in line
+    assert line.startswith("x" * 150 + "***")
+    assert "\\n2026" in one_line(forged, 1000) and "\\x1b[2J" in one_line(forged, 1000)
