@@ -176,7 +176,11 @@ class ShardRequest(Request):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.name == self.type:
-            self.name = _flower_name(self.args) or self.name
+            try:
+                name = _flower_name(self.args)
+            except Exception:  # a message of any shape: naming it must never stop it being received
+                name = None
+            self.name = name or self.name
 
 
 def _register_task(worker: WorkerApp):
