@@ -1,4 +1,4 @@
-"""CLI commands of the pipeline: enqueue, worker, retry-failed, flower, demo (status, runs and resume are
+"""CLI commands of the pipeline: enqueue, worker, flower, demo (status, runs, resume and retry-failed are
 in regen_service.cli.runs).
 
 Each command reads Settings from the environment once and passes it down; the library does the work.
@@ -14,7 +14,7 @@ import sys
 import click
 from pydantic import ValidationError
 
-from regen_service.cli.base import main, run_id_param
+from regen_service.cli.base import main
 from regen_service.errors import ConfigError
 from regen_service.produce.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.settings import Settings, redact_url
@@ -76,12 +76,8 @@ def _print_json(obj) -> None:
     show_default=True,
     help="warn about a source that quarantines more than this fraction of its rows",
 )
-@click.option(
-    "--redo",
-    is_flag=True,
-    help="this mix was enqueued before: make a new run of it (id <run id>-rN) that asks every prompt "
-    "again; the earlier run and its outputs stay as they are",
-)
+@click.option("--redo", is_flag=True, help="this mix was enqueued before: make a new run of it (id <run id>-rN) "
+              "that asks every prompt again; the earlier run stays as it is")  # fmt: skip
 def enqueue(
     mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantined_fraction: float, redo: bool
 ) -> None:
@@ -90,8 +86,7 @@ def enqueue(
     The run id comes from the mix's content: enqueueing the same mix again sends nothing and says so.
     Prints what each source kept and quarantined (with the top reasons) and warns about sources that
     keep nothing or quarantine more than --max-quarantined-fraction; with --strict such a run is
-    prepared but not queued, and the command exits 1. --no-reuse applies to a new run only; --redo
-    makes one of a mix enqueued before.
+    prepared but not queued, and the command exits 1. --no-reuse applies to a new run only.
     """
     from regen_service.produce.producer import enqueue as do_enqueue
 
@@ -243,25 +238,6 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     finally:
         if worker_app.exit_code:
             sys.exit(worker_app.exit_code)
-
-
-@main.command("retry-failed")
-@click.argument("run", callback=run_id_param)
-@click.option("--include-terminal", is_flag=True, help="also re-ask rows with terminal errors (e.g. 4xx)")
-def retry_failed_cmd(run: str, include_terminal: bool) -> None:
-    """Send rows of RUN that exhausted their retries back through the queue.
-
-    RUN is a run id, an id prefix or a mix name, as for `regen status`."""
-    from regen_service.state.find_runs import resolve_run
-    from regen_service.state.resume import retry_failed
-
-    settings = _settings(need_redis=True)
-    try:
-        ref = resolve_run(settings, run)
-        res = retry_failed(ref.settings or settings, ref.run_id, include_terminal=include_terminal)
-    except (ConfigError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
-    _print_json(res)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -156,18 +156,12 @@ class Ledger:
     def drop_shards(self, run_id: str, shard_ids: Iterable[int]) -> None:
         """Forget shards that are not the run's (a task that named a shard outside the manifest left
         them): their states, reasons and counters."""
-        ids = [str(s) for s in shard_ids]
-        if not ids:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for suffix in ("shards", "why", "progress", "failed", "tokens"):
-            pipe.hdel(self.run_key(run_id, suffix), *ids)
-        for suffix in ("srcdone", "srcfailed", "srctokens"):
+        ids = {str(s) for s in shard_ids}
+        for suffix in ("shards", "why", "progress", "failed", "tokens", "srcdone", "srcfailed", "srctokens"):
             key = self.run_key(run_id, suffix)
-            fields = [f for f in self.r.hkeys(key) if f.split("|", 1)[0] in ids]
+            fields = [f for f in self.r.hkeys(key) if f.split("|", 1)[0] in ids] if ids else []
             if fields:
-                pipe.hdel(key, *fields)
-        pipe.execute()
+                self.r.hdel(key, *fields)
 
     # --- progress -----------------------------------------------------------------------------------
     def set_progress(
