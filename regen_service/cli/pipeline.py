@@ -185,7 +185,7 @@ def read_api_key(env_var: str, key_file: str | None):
               help="address the metrics server binds (0.0.0.0: every interface)")  # fmt: skip
 @click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
 @click.option("--trust-remote-code", is_flag=True,
-              help="take runs whose mix sets target.trust_remote_code and run their tokenizer folder's code "
+              help="take api: generate runs whose mix sets target.trust_remote_code and run their tokenizer's code "
               "here; without it such a run's shards fail with the reason in `regen status` (a mix on the "
               "data root never grants this by itself)")  # fmt: skip
 def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight_per_endpoint, api_key_env,

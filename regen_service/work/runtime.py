@@ -165,7 +165,8 @@ class WorkerRuntime:
         `target.trust_remote_code` is a request, never the permission. Only the worker's own opt-in
         (`regen worker --trust-remote-code`) lets a tokenizer folder's code run in this process.
         """
-        if mix.target.trust_remote_code and not self.config.trust_remote_code:
+        loads_tokenizer = mix.target.api == "generate" and bool(mix.target.tokenizer)  # api chat: never
+        if loads_tokenizer and mix.target.trust_remote_code and not self.config.trust_remote_code:
             raise ConfigError(
                 f"{where} sets target.trust_remote_code, which would run Python code from the tokenizer "
                 f"folder {mix.target.tokenizer!r} in this worker, and this worker was not started with "
