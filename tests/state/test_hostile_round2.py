@@ -138,13 +138,16 @@ def test_every_shard_task_is_named_after_its_shard(settings, settings_env, tmp_p
     """Flower shows the name the worker's events carry: a message sent without a shadow name (Flower's
     send-task, `celery call`) and a retry (a shard busy elsewhere) are named regen.shard[<run>/<shard>]."""
     res = enqueue(settings, write_prompt_mix(tmp_path, "names", 8, 4))
-    ledger = Ledger(settings)
-    assert ledger.acquire_lease(res.run_id, 1, "someone-else")  # the worker's first try is retried
+    # held by someone else until the worker's first try at shard 1 was retried (however slow its start)
+    holder = Ledger(settings.model_copy(update={"lease_ttl_s": 600.0}))
+    assert holder.acquire_lease(res.run_id, 1, "someone-else")
     app = make_celery(settings)
     with app.producer_or_acquire():
         app.send_task(PROCESS_SHARD, args=[res.run_id, 0])  # no shadow name
     log = tmp_path / "w.log"
     with sim_server("--decode-tok-s", "0") as url, worker_process(settings_env, url, log=log) as w:
+        wait_for(lambda: "retry: Retry in" in log.read_text(), what="shard 1 retried", procs=(w,))
+        holder.release_lease(res.run_id, 1, "someone-else")
         wait_run_done(settings, res.run_id, procs=(w,), timeout_s=240)
     received = [line for line in log.read_text().splitlines() if "] received" in line]
     assert len(received) >= 4, received  # 2 sent by enqueue, 1 without a name, >= 1 retry of shard 1
