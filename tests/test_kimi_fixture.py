@@ -96,11 +96,20 @@ def test_worker_runtime_loads_the_tokenizer_only_with_the_opt_in(kimi_dir, setti
             }
         )
 
-    rt = WorkerRuntime(settings, WorkerConfig(endpoints=["http://127.0.0.1:9"]))
+    # the mix asks, the worker allows: both are needed (a mix on the data root never grants it alone)
+    rt = WorkerRuntime(settings, WorkerConfig(endpoints=["http://127.0.0.1:9"], trust_remote_code=True))
     try:
         with pytest.raises(ConfigError, match="trust_remote_code"):
             rt.tokenizer_for(mix(False))
         assert type(rt.tokenizer_for(mix(True))).__name__ == "TikTokenTokenizer"
+    finally:
+        rt.close()
+    rt = WorkerRuntime(settings, WorkerConfig(endpoints=["http://127.0.0.1:9"]))
+    try:
+        with pytest.raises(ConfigError, match="--trust-remote-code"):
+            rt.check_mix(mix(True), "mix.json")
+        with pytest.raises(ConfigError, match="trust_remote_code"):
+            rt.tokenizer_for(mix(True))
     finally:
         rt.close()
 

@@ -1,4 +1,4 @@
-"""CLI commands of the pipeline: enqueue, worker, retry-failed, flower, demo (status, runs and resume are
+"""CLI commands of the pipeline: enqueue, worker, flower, demo (status, runs, resume and retry-failed are
 in regen_service.cli.runs).
 
 Each command reads Settings from the environment once and passes it down; the library does the work.
@@ -14,7 +14,7 @@ import sys
 import click
 from pydantic import ValidationError
 
-from regen_service.cli.base import main, run_id_param
+from regen_service.cli.base import main
 from regen_service.errors import ConfigError
 from regen_service.produce.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.settings import Settings, redact_url
@@ -76,13 +76,17 @@ def _print_json(obj) -> None:
     show_default=True,
     help="warn about a source that quarantines more than this fraction of its rows",
 )
-def enqueue(mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantined_fraction: float) -> None:
+@click.option("--redo", is_flag=True, help="this mix was enqueued before: make a new run of it (id <run id>-rN) "
+              "that asks every prompt again; the earlier run stays as it is")  # fmt: skip
+def enqueue(
+    mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantined_fraction: float, redo: bool
+) -> None:
     """Prepare MIX (a mix YAML) as a run under $REGEN_DATA_ROOT and queue one task per shard.
 
     The run id comes from the mix's content: enqueueing the same mix again sends nothing and says so.
     Prints what each source kept and quarantined (with the top reasons) and warns about sources that
     keep nothing or quarantine more than --max-quarantined-fraction; with --strict such a run is
-    prepared but not queued, and the command exits 1.
+    prepared but not queued, and the command exits 1. --no-reuse applies to a new run only.
     """
     from regen_service.produce.producer import enqueue as do_enqueue
 
@@ -90,7 +94,11 @@ def enqueue(mix: str, as_json: bool, no_reuse: bool, strict: bool, max_quarantin
     _setup_logging(settings)
     try:
         res = do_enqueue(
-            settings, mix, reuse=not no_reuse, strict_fraction=max_quarantined_fraction if strict else None
+            settings,
+            mix,
+            reuse=not no_reuse,
+            strict_fraction=max_quarantined_fraction if strict else None,
+            redo=redo,
         )
     except (MixError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
@@ -176,9 +184,14 @@ def read_api_key(env_var: str, key_file: str | None):
 @click.option("--metrics-address", default="127.0.0.1", show_default=True,
               help="address the metrics server binds (0.0.0.0: every interface)")  # fmt: skip
 @click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
+@click.option("--trust-remote-code", is_flag=True,
+              help="take api: generate runs whose mix sets target.trust_remote_code and run their tokenizer's code "
+              "here; without it such a run's shards fail with the reason in `regen status` (a mix on the "
+              "data root never grants this by itself)")  # fmt: skip
 def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight_per_endpoint, api_key_env,
            api_key_file, no_stream, engine, stall_timeout_s, request_timeout_s, max_reply_bytes,
-           stream_slack_events, max_attempts, metrics_port, metrics_address, hostname) -> None:  # fmt: skip
+           stream_slack_events, max_attempts, metrics_port, metrics_address, hostname,
+           trust_remote_code) -> None:  # fmt: skip
     """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
 
@@ -196,7 +209,7 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
             stream=not no_stream, engine=engine, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
             request_timeout_s=request_timeout_s or None, max_reply_bytes=max_reply_bytes,
             stream_slack_events=stream_slack_events,
-            metrics_port=metrics_port, hostname=node,
+            metrics_port=metrics_port, hostname=node, trust_remote_code=trust_remote_code,
         )  # fmt: skip
     except ValueError as e:
         raise click.ClickException(str(e)) from None
@@ -225,16 +238,6 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     finally:
         if worker_app.exit_code:
             sys.exit(worker_app.exit_code)
-
-
-@main.command("retry-failed")
-@click.argument("run_id", callback=run_id_param)
-@click.option("--include-terminal", is_flag=True, help="also re-ask rows with terminal errors (e.g. 4xx)")
-def retry_failed_cmd(run_id: str, include_terminal: bool) -> None:
-    """Send rows of RUN_ID that exhausted their retries back through the queue."""
-    from regen_service.state.resume import retry_failed
-
-    _print_json(retry_failed(_settings(need_redis=True), run_id, include_terminal=include_terminal))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

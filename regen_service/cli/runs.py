@@ -1,4 +1,4 @@
-"""CLI commands that find and show runs: status, runs, resume. A RUN argument is a run id, an id prefix
+"""CLI commands that find and show runs: status, runs, resume, retry-failed. A RUN argument is a run id, an id prefix
 or a mix name (regen_service.state.find_runs); rendering is regen_service.cli.status_view's."""
 
 from __future__ import annotations
@@ -116,3 +116,21 @@ def resume(run: str, as_json: bool) -> None:
             f"`regen resume {ref.run_id}` again after that",
             err=True,
         )
+
+
+@main.command("retry-failed")
+@click.argument("run", callback=run_id_param)
+@click.option("--include-terminal", is_flag=True, help="also re-ask rows with terminal errors (e.g. 4xx)")
+def retry_failed_cmd(run: str, include_terminal: bool) -> None:
+    """Send rows of RUN that exhausted their retries back through the queue.
+
+    RUN is a run id, an id prefix or a mix name, as for `regen status`."""
+    from regen_service.state.resume import retry_failed
+
+    settings = _settings(need_redis=True)
+    ref = _resolve(settings, run)
+    try:
+        res = retry_failed(ref.settings or settings, ref.run_id, include_terminal=include_terminal)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    _print_json(res)

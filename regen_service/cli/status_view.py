@@ -29,9 +29,23 @@ def _consumer_warning(st: dict) -> str | None:
     return "no live consumer for this run: " + (why or "no worker is running (start `regen worker`)")
 
 
+def _state_words(st: dict) -> str:
+    if st.get("done_with_failures"):
+        return f"done ({st['prompts_failed']} of {st['prompts_total']} prompts failed)"
+    return st["state"]
+
+
+def failure_lines(st: dict) -> list[str]:
+    """Why shards failed, and what to run next: under the headline, in text and on a terminal."""
+    lines = [f"  shard {sid:>5} failed: {why}" for sid, why in st.get("failed_shards", {}).items()]
+    if st.get("next_step"):
+        lines.append(f"  next: {st['next_step']}")
+    return lines
+
+
 def run_headline(st: dict) -> str:
     return (
-        f"{st['run_id']}  {st.get('mix_name') or ''}  {st['state']}  shards {st['shards_done']}/"
+        f"{st['run_id']}  {st.get('mix_name') or ''}  {_state_words(st)}  shards {st['shards_done']}/"
         f"{st['shards_total']} (failed {st['shards_failed']})  prompts {st['prompts_done']}/{st['prompts_total']}"
         f" (failed {st['prompts_failed']})  tokens {st['tokens_generated']}  {st['tokens_per_s']} tok/s  "
         f"ETA {_eta(st)}"
@@ -53,6 +67,7 @@ def plain_lines(statuses: list[dict], storage_only: list[str] = ()) -> list[str]
         lines.append(run_headline(st))
         if warning := _consumer_warning(st):
             lines.append(f"  WARNING {warning}")
+        lines += failure_lines(st)
         for name, s in sorted(st["sources"].items()):
             lines.append(f"  {name}: {source_line(name, s)}")
     for rid in storage_only:
@@ -71,6 +86,7 @@ def rich_view(statuses: list[dict], storage_only: list[str] = ()) -> Group:
         parts.append(Text(run_headline(st), style="bold"))
         if warning := _consumer_warning(st):
             parts.append(Text(f"  {warning}", style="bold red"))
+        parts += [Text(line, style="yellow") for line in failure_lines(st)]
         progress = Progress(
             TextColumn("  {task.description:<24}"), BarColumn(), TextColumn("{task.fields[extra]}"),
             auto_refresh=False,

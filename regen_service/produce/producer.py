@@ -38,9 +38,19 @@ class EnqueueResult:
         return asdict(self)
 
 
+def _redo_run_id(storage: Storage, run_id: str) -> str:
+    """The first of `<run id>-r2`, `-r3`, ... not prepared yet: a new run of the same mix."""
+    n = 2
+    while storage.exists(RunLayout(storage, f"{run_id}-r{n}").manifest_path):
+        n += 1
+    return f"{run_id}-r{n}"
+
+
 def prepare_or_load(
-    settings: Settings, mix_path: str | Path, *, reuse: bool = True
+    settings: Settings, mix_path: str | Path, *, reuse: bool = True, redo: bool = False
 ) -> tuple[RunLayout, RunManifest]:
+    """The run of this mix, prepared now unless its manifest exists. With `redo`, a run of this mix that
+    was prepared already gets a new run (id `<run id>-rN`) instead, asking every prompt again."""
     mix = load_mix(mix_path)
     if mix.target.api == "generate" and mix.target.tokenizer and Path(mix.target.tokenizer).is_dir():
         # The workers will load it: say now, not on the first shard, that it needs the opt-in.
@@ -48,21 +58,37 @@ def prepare_or_load(
     run_id = run_id_for(mix)
     storage = Storage(settings.data_root_resolved)
     layout = RunLayout(storage, run_id)
+    if redo and storage.exists(layout.manifest_path):
+        layout, reuse = RunLayout(storage, _redo_run_id(storage, run_id)), False
     if storage.exists(layout.manifest_path):
         return layout, load_manifest(layout)
-    storage.write_json_atomic(layout.resolved_mix_path, resolved_mix_dict(mix))
-    # reuse is planned before anything is queued, and counted in the one manifest that status and resume read
-    manifest = prepare_run(mix, storage, run_id, Path(mix_path).read_text(encoding="utf-8"), reuse=reuse)
+    try:
+        storage.write_json_atomic(layout.resolved_mix_path, resolved_mix_dict(mix))
+        # reuse is planned before anything is queued, and counted in the one manifest status and resume read
+        manifest = prepare_run(
+            mix, storage, layout.run_id, Path(mix_path).read_text(encoding="utf-8"), reuse=reuse
+        )
+    except BaseException:
+        # A run exists once its manifest does: leave no half-prepared folder that `runs` would list.
+        if not storage.exists(layout.manifest_path):
+            storage.remove(layout.run_dir, recursive=True)
+        raise
     return layout, manifest
 
 
 def enqueue(
-    settings: Settings, mix_path: str | Path, *, reuse: bool = True, strict_fraction: float | None = None
+    settings: Settings,
+    mix_path: str | Path,
+    *,
+    reuse: bool = True,
+    strict_fraction: float | None = None,
+    redo: bool = False,
 ) -> EnqueueResult:
     """With strict_fraction, a source that keeps nothing or quarantines more than that fraction stops
-    the run before anything is queued (ConfigError naming the sources); the prepared files stay."""
+    the run before anything is queued (ConfigError naming the sources); the prepared files stay.
+    With redo, an already prepared mix becomes a new run that asks every prompt again."""
     check_reachable(settings)  # before anything is written to the data root
-    layout, manifest = prepare_or_load(settings, mix_path, reuse=reuse)
+    layout, manifest = prepare_or_load(settings, mix_path, reuse=reuse, redo=redo)
     sources = source_report(layout, manifest)
     if strict_fraction is not None and (warnings := source_warnings(sources, strict_fraction)):
         raise ConfigError(
@@ -70,7 +96,7 @@ def enqueue(
             "the mix, or enqueue without --strict to run what was kept"
         )
     ledger = Ledger(settings)
-    done = done_shards_in_storage(layout)
+    done = done_shards_in_storage(layout, manifest)
     if not ledger.register_run(manifest, layout.storage.url, done_shards=done):
         requeued = _reconcile(settings, ledger, layout, manifest, done)
         if requeued:
@@ -93,8 +119,10 @@ def enqueue(
             manifest.num_prompts,
             layout.run_dir,
             sources,
-            f"run {manifest.run_id} was already enqueued; no new tasks (see `regen status {manifest.run_id}`)",
-        )
+            f"run {manifest.run_id} was already enqueued; no new tasks (see `regen status {manifest.run_id}`)"
+            + ("" if reuse else "; --no-reuse only applies to a new run: `regen enqueue --redo MIX` makes one"
+               " that asks every prompt again"),
+        )  # fmt: skip
     sent = send_pending(settings, manifest, done)
     return EnqueueResult(
         manifest.run_id,

@@ -44,10 +44,15 @@ def list_runs(settings: Settings) -> list[RunRef]:
         stored = []
     for rid in stored:
         layout = RunLayout(storage, rid)
-        name = ""
-        if storage.exists(layout.manifest_path):
+        # A run exists once its manifest does (written last): a folder without one is an enqueue that
+        # did not finish, which `resume` cannot rebuild either; enqueueing the mix again prepares it.
+        if not storage.exists(layout.manifest_path):
+            continue
+        try:
             name = json.loads(storage.read_bytes(layout.manifest_path)).get("mix_name", "")
-        refs[rid] = RunRef(rid, name, True, None)
+        except (ValueError, AttributeError, RecursionError):
+            name = ""
+        refs[rid] = RunRef(rid, str(name), True, None)
     for s in (settings, demo_settings(settings)):
         ledger = Ledger(s)
         for rid in ledger.run_ids():

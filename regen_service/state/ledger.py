@@ -8,6 +8,7 @@ shard. Keys, all under the settings' key prefix P:
     P:runs                          set of run ids
     P:run:<rid>                     hash: run record (mix name, model, num_shards, num_prompts, state, ...)
     P:run:<rid>:shards              hash: shard id -> queued | running | done | failed
+    P:run:<rid>:why                 hash: shard id -> why it failed (one line; gone once it leaves failed)
     P:run:<rid>:progress            hash: shard id -> prompts finished (answered or terminal error)
     P:run:<rid>:failed              hash: shard id -> prompts that ended with an error
     P:run:<rid>:tokens              hash: shard id -> completion tokens generated
@@ -135,8 +136,32 @@ class Ledger:
         return {int(k): v for k, v in self.r.hgetall(self.run_key(run_id, "shards")).items()}
 
     def set_shard_state(self, run_id: str, shard_id: int, state: str) -> None:
-        assert state in SHARD_STATES
-        self.r.hset(self.run_key(run_id, "shards"), str(shard_id), state)
+        assert state in SHARD_STATES and state != "failed", state  # failed: set_shard_failed, with why
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.run_key(run_id, "shards"), str(shard_id), state)
+        pipe.hdel(self.run_key(run_id, "why"), str(shard_id))
+        pipe.execute()
+
+    def set_shard_failed(self, run_id: str, shard_id: int, why: str) -> None:
+        """The shard ended without an output file; `why` (one line) is what status shows for it."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.run_key(run_id, "shards"), str(shard_id), "failed")
+        pipe.hset(self.run_key(run_id, "why"), str(shard_id), why)
+        pipe.execute()
+
+    def shard_failures(self, run_id: str) -> dict[int, str]:
+        """Why each failed shard failed (shards that failed before reasons were kept have none)."""
+        return {int(k): v for k, v in self.r.hgetall(self.run_key(run_id, "why")).items()}
+
+    def drop_shards(self, run_id: str, shard_ids: Iterable[int]) -> None:
+        """Forget shards that are not the run's (a task that named a shard outside the manifest left
+        them): their states, reasons and counters."""
+        ids = {str(s) for s in shard_ids}
+        for suffix in ("shards", "why", "progress", "failed", "tokens", "srcdone", "srcfailed", "srctokens"):
+            key = self.run_key(run_id, suffix)
+            fields = [f for f in self.r.hkeys(key) if f.split("|", 1)[0] in ids] if ids else []
+            if fields:
+                self.r.hdel(key, *fields)
 
     # --- progress -----------------------------------------------------------------------------------
     def set_progress(

@@ -37,12 +37,16 @@ class ResumeResult:
 
 
 def restore_ledger(settings: Settings, ledger: Ledger, layout: RunLayout) -> tuple[set[int], bool]:
+    """Make the ledger agree with storage: the manifest's shards only, done where the output file is."""
     manifest = load_manifest(layout)
-    done = done_shards_in_storage(layout)
+    done = done_shards_in_storage(layout, manifest)
     rebuilt = ledger.register_run(manifest, layout.storage.url, done_shards=done)
     for sid in done:
         mark_done_from_file(ledger, layout, sid)
     states = ledger.shard_states(layout.run_id)
+    # A shard the manifest does not list (an old worker counted a task naming [run, 99999]) is no part
+    # of the run: forget it, or it keeps a finished run `failed` for good.
+    ledger.drop_shards(layout.run_id, set(states) - {s.shard_id for s in manifest.shards})
     for shard in manifest.shards:
         sid = shard.shard_id
         if sid in done:
@@ -56,12 +60,17 @@ def restore_ledger(settings: Settings, ledger: Ledger, layout: RunLayout) -> tup
     return done, rebuilt
 
 
-def resume_run(settings: Settings, run_id: str) -> ResumeResult:
+def _stored_run(settings: Settings, run_id: str) -> RunLayout:
     layout = RunLayout(Storage(settings.data_root_resolved), run_id)
     if not layout.storage.exists(layout.manifest_path):
         raise FileNotFoundError(
-            f"no run {run_id!r} under {layout.storage.url}/runs (check REGEN_DATA_ROOT; `ls runs/` lists runs)"
+            f"no run {run_id!r} under {layout.storage.url}/runs (check REGEN_DATA_ROOT; `regen runs` lists runs)"
         )
+    return layout
+
+
+def resume_run(settings: Settings, run_id: str) -> ResumeResult:
+    layout = _stored_run(settings, run_id)
     ledger = Ledger(settings)
     done, rebuilt = restore_ledger(settings, ledger, layout)
     manifest = load_manifest(layout)
@@ -92,13 +101,13 @@ def resume_run(settings: Settings, run_id: str) -> ResumeResult:
 
 
 def retry_failed(settings: Settings, run_id: str, include_terminal: bool = False) -> dict:
-    layout = RunLayout(Storage(settings.data_root_resolved), run_id)
+    layout = _stored_run(settings, run_id)
     ledger = Ledger(settings)
-    restore_ledger(settings, ledger, layout)
+    done, _ = restore_ledger(settings, ledger, layout)
     app = make_celery(settings)
     mode = "all" if include_terminal else "exhausted"
     sent: dict[int, int] = {}
-    for sid in sorted(done_shards_in_storage(layout)):
+    for sid in sorted(done):
         rows = output_rows(
             layout.storage.read_table(layout.output_shard(sid)).select(["error", "error_class"])
         )

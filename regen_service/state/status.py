@@ -17,7 +17,9 @@ from regen_service.state.presence import live_workers
 JSON_KEYS = (
     "run_id", "state", "shards_total", "shards_done", "shards_failed", "prompts_total", "prompts_done",
     "prompts_failed", "tokens_generated", "tokens_per_s", "eta_s", "sources", "live_consumers", "workers",
+    "done_with_failures", "failed_shards", "next_step",
 )  # fmt: skip
+MAX_FAILED_SHARDS_SHOWN = 20
 
 
 def _eta_s(remaining: int, done: int, tokens: int, tokens_per_s: float) -> float | None:
@@ -87,11 +89,29 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
                             s["tokens_per_s"])  # fmt: skip
         s["state"] = _state(src_states[name], s["prompts_done"])
     workers = live_workers(ledger.settings, ledger.r)
+    state = _state(states, prompts_done)
+    # `done` stays the word for "finished, nothing more will happen" (scripts wait for it); a done run
+    # whose rows hold errors says so beside it, with the command that asks those rows again.
+    done_with_failures = state == "done" and counters.prompts_failed > 0
+    why = ledger.shard_failures(run_id) if "failed" in states else {}
+    failed_shards = {
+        sid: why.get(sid, "(no reason recorded)")
+        for sid, st in sorted(counters.shard_states.items())
+        if st == "failed"
+    }
+    next_step = None
+    if done_with_failures:
+        next_step = f"regen retry-failed {run_id}  (rows that exhausted their retries; --include-terminal: 4xx rows too)"
+    elif state == "failed" or failed_shards:
+        next_step = f"fix what failed_shards says, then `regen resume {run_id}` queues those shards again"
     return {
         "run_id": run_id,
         "live_consumers": sum(w.get("state") == "consuming" for w in workers),
         "workers": workers,
-        "state": _state(states, prompts_done),
+        "state": state,
+        "done_with_failures": done_with_failures,
+        "failed_shards": dict(list(failed_shards.items())[:MAX_FAILED_SHARDS_SHOWN]),
+        "next_step": next_step,
         "shards_total": len(states),
         "shards_done": states.count("done"),
         "shards_failed": states.count("failed"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import uuid
@@ -40,6 +41,10 @@ from schemas.tables import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 # What run_id_for produces: the mix name (schemas.mix NAME_PATTERN) + "-" + 12 hex digits. Tests and
 # older runs use shorter names of the same characters, so the suffix is not required; no '.' or '/'.
 RUN_ID_PATTERN = re.compile(r"[a-z0-9_-]{1,128}")
+# What output_shard writes: five digits, more from shard 100000 on.
+_OUTPUT_NAME = re.compile(r"shard-(\d{5,9})\.parquet")
+
+log = logging.getLogger(__name__)
 
 
 class BadRunIdError(ConfigError):
@@ -190,8 +195,11 @@ class RunLayout:
         done = set()
         for p in self.storage.ls(self.outputs_dir):
             name = p.rsplit("/", 1)[1]
-            if name.startswith("shard-") and name.endswith(".parquet"):
-                done.add(int(name[len("shard-") : -len(".parquet")]))
+            if m := _OUTPUT_NAME.fullmatch(name):
+                done.add(int(m[1]))
+            elif name.startswith("shard-") and name.endswith(".parquet"):
+                # not a name output_shard gives (planted, or copied in by hand): never a completion marker
+                log.warning("ignoring %s: not a shard file name (shard-NNNNN.parquet)", p)
         return done
 
     @staticmethod

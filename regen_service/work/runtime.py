@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from regen_service.errors import EndpointTerminalError, NoUsableEndpointError
+from regen_service.errors import ConfigError, EndpointTerminalError, NoUsableEndpointError
 from regen_service.loops import new_event_loop
 from regen_service.remote_code import load_tokenizer
 from regen_service.settings import Settings
@@ -97,6 +97,11 @@ class WorkerConfig(BaseModel):
     flush_interval_s: float = Field(default=1.0, gt=0)
     metrics_port: int | None = None
     hostname: str | None = None
+    trust_remote_code: bool = Field(
+        default=False,
+        description="run code from a tokenizer folder whose run's mix asks for it (`regen worker "
+        "--trust-remote-code`); the mix alone never turns it on: whoever writes the data root writes it",
+    )
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(
@@ -153,17 +158,37 @@ class WorkerRuntime:
     async def _make_budget(self, model: str, pool: EndpointPool) -> None:
         self._budgets[model] = InflightBudget(lambda: pool.inflight_target)
 
+    def check_mix(self, mix: MixSpec, where: str) -> None:
+        """ConfigError unless this worker may take a run with this stored mix.
+
+        The stored mix (`where`) lies on the shared data root, which every worker host can write: its
+        `target.trust_remote_code` is a request, never the permission. Only the worker's own opt-in
+        (`regen worker --trust-remote-code`) lets a tokenizer folder's code run in this process.
+        """
+        loads_tokenizer = mix.target.api == "generate" and bool(mix.target.tokenizer)  # api chat: never
+        if loads_tokenizer and mix.target.trust_remote_code and not self.config.trust_remote_code:
+            raise ConfigError(
+                f"{where} sets target.trust_remote_code, which would run Python code from the tokenizer "
+                f"folder {mix.target.tokenizer!r} in this worker, and this worker was not started with "
+                "--trust-remote-code. Start workers with `regen worker --trust-remote-code` only if you trust "
+                "that folder and everyone who can write the data root, then `regen resume` the run"
+            )
+
     def tokenizer_for(self, mix: MixSpec):
         path = mix.target.tokenizer
         if mix.target.api != "generate" or not path:
             return None
+        # Both must agree: the run asks for remote code and the worker was started allowing it.
+        trust = mix.target.trust_remote_code and self.config.trust_remote_code
         with self._lock:
-            key = (path, mix.target.trust_remote_code)
+            key = (path, trust)
             if key not in self._tokenizers:
+                if trust:
+                    log.warning("running the code of tokenizer folder %s (--trust-remote-code)", path)
                 self._tokenizers[key] = load_tokenizer(
                     path,
-                    trust_remote_code=mix.target.trust_remote_code,
-                    setting="target.trust_remote_code: true",
+                    trust_remote_code=trust,
+                    setting="target.trust_remote_code: true in the mix and `regen worker --trust-remote-code`",
                 )
             return self._tokenizers[key]
 

@@ -16,7 +16,8 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from regen_service.errors import EndpointTerminalError, LeaseLostError
 from regen_service.produce.reuse import reused_rows
@@ -33,6 +34,7 @@ from regen_service.state.progress import (
 from regen_service.state.runinfo import load_run_mix
 from regen_service.state.shard_log import ShardLog
 from regen_service.state.storage import RunLayout, Storage
+from regen_service.work.client.auth import scrub_secrets
 from regen_service.work.metrics import SHARDS_FINISHED, SHARDS_IN_PROGRESS, count_row
 from regen_service.work.runtime import WorkerRuntime
 from schemas.conversation import PromptRecord
@@ -56,6 +58,21 @@ class ShardOutcome:
     num_errors: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    top_errors: list[tuple[str, int]] = field(default_factory=list)  # (class: reason, rows), most first
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """Server or exception text made safe for one log or status line: secrets scrubbed first (a cut
+    must not leave part of a key), control characters escaped (no forged lines), then cut."""
+    text = scrub_secrets(text)
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def top_errors(rows: list[OutputRow], n: int = 3) -> list[tuple[str, int]]:
+    """The shard's most frequent row errors, as `class: reason` lines with their counts."""
+    reasons = Counter(f"{r.error_class or 'error'}: {one_line(r.error, 100)}" for r in rows if r.error)
+    return reasons.most_common(n)
 
 
 def owner_token(hostname: str | None = None) -> str:
@@ -80,6 +97,7 @@ def process_shard(
     SHARDS_IN_PROGRESS.inc()
     try:
         mix = load_run_mix(layout)
+        runtime.check_mix(mix, layout.resolved_mix_path)  # before any of the mix's settings is used
         records = prompts_from_table(storage.read_table(layout.prompt_shard(shard_id)))
         shard_log = ShardLog(
             layout,
@@ -143,6 +161,7 @@ def process_shard(
             num_errors=ev.num_errors,
             tokens=prog.tokens,
             seconds=time.monotonic() - t0,
+            top_errors=top_errors(ordered),
         )
     finally:
         SHARDS_IN_PROGRESS.dec()

@@ -23,16 +23,25 @@ from dataclasses import asdict
 from celery import Task
 from celery.exceptions import Reject
 from celery.signals import worker_shutdown
+from celery.worker.request import Request
 
-from regen_service.errors import ConfigError, EndpointTerminalError, LeaseLostError, NoUsableEndpointError
+from regen_service.errors import (
+    ConfigError,
+    EndpointTerminalError,
+    LeaseLostError,
+    NoUsableEndpointError,
+    TerminalError,
+)
 from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.presence import Presence
-from regen_service.state.queue import PROCESS_SHARD, make_celery
-from regen_service.state.storage import check_run_id
+from regen_service.state.queue import PROCESS_SHARD, make_celery, shard_task_name
+from regen_service.state.runinfo import check_shard_of_run
+from regen_service.state.storage import RunLayout, Storage, check_run_id
 from regen_service.work.intake import IntakeStep
 from regen_service.work.runtime import WorkerConfig, WorkerRuntime
-from regen_service.work.shard_runner import ShardBusy, process_shard
+from regen_service.work.shard_runner import ShardBusy, one_line, process_shard
+from schemas.mix import MixError
 
 log = logging.getLogger("regen.worker")
 
@@ -84,15 +93,19 @@ class WorkerApp:
     def run_task(self, task: Task, run_id: str, shard_id: int, redo_errors: str | None) -> dict:
         settings = self.settings
         try:
-            # Anyone who can reach the broker (or Flower) can send a task: check what it names first.
-            check_run_id(run_id)
+            # Anyone who can reach the broker (or Flower) can send a task: check what it names first,
+            # before anything is counted (a shard the manifest does not list must not reach the ledger).
+            layout = RunLayout(Storage(settings.data_root_resolved), check_run_id(run_id))
             if isinstance(shard_id, bool) or not isinstance(shard_id, int) or shard_id < 0:
                 raise ConfigError(f"invalid shard id {shard_id!r}: a shard id is an integer >= 0")
             if redo_errors not in (None, "exhausted", "all"):
                 raise ConfigError(f"invalid redo_errors {redo_errors!r}: one of None, 'exhausted', 'all'")
+            check_shard_of_run(layout, shard_id)
         except ConfigError as exc:
-            log.error("refused a task: %s", exc)
-            raise Reject(str(exc), requeue=False) from None
+            # Acked as a failed task (Flower shows why), counted nowhere: the ledger never sees it.
+            why = one_line(str(exc), 300)
+            log.error("refused a task: %s", why)
+            raise ShardFailedError(f"refused: {why}") from None
         try:
             outcome = process_shard(self.runtime(), run_id, shard_id, redo_errors=redo_errors)
         except (ShardBusy, LeaseLostError) as exc:
@@ -114,23 +127,69 @@ class WorkerApp:
             self.app.control.cancel_consumer(settings.queue_name, destination=[task.request.hostname])
             self.set_presence("no_endpoint", str(exc))
             raise Reject(str(exc), requeue=True) from None
+        except (ConfigError, MixError) as exc:
+            # The run's own files say something this worker will not or cannot do (a stored mix asking
+            # for remote code this worker was not started to allow, a mix.json that does not parse):
+            # retrying cannot help. The shard fails now, with the reason in `regen status`; once the
+            # cause is fixed, `regen resume` queues it again. Requeueing instead would pass it from
+            # worker to worker forever with nobody told.
+            why = one_line(str(exc), 500)
+            Ledger(settings).set_shard_failed(run_id, shard_id, why)
+            log.error("shard %s/%05d failed: %s", run_id, shard_id, why)
+            raise ShardFailedError(why) from None
         except Exception as exc:
             attempt = task.request.retries
             if attempt >= 5:
-                Ledger(settings).set_shard_state(run_id, shard_id, "failed")
-                log.exception("shard %s/%s failed after %d attempts", run_id, shard_id, attempt + 1)
+                why = one_line(f"{type(exc).__name__}: {exc}", 500)
+                Ledger(settings).set_shard_failed(run_id, shard_id, f"after {attempt + 1} attempts: {why}")
+                log.exception("shard %s/%05d failed after %d attempts", run_id, shard_id, attempt + 1)
                 raise
             log.exception("shard %s/%s: attempt %d failed, retrying", run_id, shard_id, attempt + 1)
             raise task.retry(exc=exc, countdown=min(60, 2**attempt)) from None
-        log.info("shard %s/%05d %s: %d rows (%d asked, %d kept from before)", run_id, shard_id, outcome.status,
-                 outcome.num_rows, outcome.num_asked, outcome.num_skipped)  # fmt: skip
+        log.info("shard %s/%05d %s: %d rows (%d asked, %d kept from before), %d failed%s", run_id, shard_id,
+                 outcome.status, outcome.num_rows, outcome.num_asked, outcome.num_skipped, outcome.num_errors,
+                 "".join(f"; {n}x {reason}" for reason, n in outcome.top_errors))  # fmt: skip
         return asdict(outcome)
+
+
+class ShardFailedError(TerminalError):
+    """The task ends failed for the reason it states: a shard failed (its state says so) or a task
+    refused. An expected error for Celery: logged in one line, no traceback, acked, never retried."""
+
+
+def _flower_name(args) -> str | None:
+    """regen.shard[<run>/<shard>] for a task's args, or None when they name no valid shard."""
+    try:
+        run_id, shard_id = args[0], args[1]
+        check_run_id(run_id)
+    except (ConfigError, IndexError, KeyError, TypeError):
+        return None
+    if isinstance(shard_id, bool) or not isinstance(shard_id, int) or shard_id < 0:
+        return None
+    return shard_task_name(run_id, shard_id)
+
+
+class ShardRequest(Request):
+    """The worker's view of a shard message: named regen.shard[<run>/<shard>] in its events (what Flower
+    shows) even when the sender (a Flower send-task, `celery call`) set no shadow name."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.name == self.type:
+            try:
+                name = _flower_name(self.args)
+            except Exception:  # a message of any shape: naming it must never stop it being received
+                name = None
+            self.name = name or self.name
 
 
 def _register_task(worker: WorkerApp):
     @worker.app.task(
-        name=PROCESS_SHARD, bind=True, max_retries=None, acks_late=True, reject_on_worker_lost=True
-    )
+        name=PROCESS_SHARD, bind=True, max_retries=None, acks_late=True, reject_on_worker_lost=True,
+        throws=(ShardFailedError,), Request=ShardRequest,
+        # a retry is sent with apply_async, which asks shadow_name: keep the shard's name in Flower
+        shadow_name=lambda self, args, kwargs, options: _flower_name(args),
+    )  # fmt: skip
     def process_shard_task(self, run_id: str, shard_id: int, redo_errors: str | None = None) -> dict:
         return worker.run_task(self, run_id, shard_id, redo_errors)
 

@@ -67,7 +67,7 @@ class RecordingRenderer:
     def __init__(self):
         self.seen: list[tuple[list[dict], list | None]] = []
 
-    def encode(self, messages, tools):
+    def encode(self, messages, tools, max_length=None):
         self.seen.append((messages, tools))
         return Example(torch.tensor([1, 2]), torch.tensor([0, 1]))
 
