@@ -128,7 +128,7 @@ def test_template_thinking_tools_and_tool_results(kimi_tok):
         },
     ]
     text = render(kimi_tok, msgs, tools=TOOLS, add_generation_prompt=True)
-    # tools declared TypeScript-style first, then the default system prompt
+    # tools declared TypeScript-style first; no default system turn after them (K2.5, unlike K2)
     assert text.startswith(
         "<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {"
     )
@@ -136,10 +136,8 @@ def test_template_thinking_tools_and_tool_results(kimi_tok):
         'type get_weather = (_: {\n  // City name\n  city: string,\n  unit?: "celsius" | "fahrenheit"\n}) => any;'
         in text
     )
-    assert (
-        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-        in text
-    )
+    assert "}) => any;\n}\n<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>" in text
+    assert "<|im_system|>system<|im_middle|>" not in text
     # up to the last assistant turn without tool calls: thinking dropped; the tool-call turn after it keeps it
     assert "<|im_assistant|>assistant<|im_middle|><think></think>Hello!<|im_end|>" in text
     assert (

@@ -4,7 +4,7 @@
 weights: `config.json` (`model_type: kimi_k25`, `auto_map` to remote code, a DeepSeek-V3-style
 `text_config` with MLA fields, routed experts and YaRN `rope_scaling`, a scaled vocabulary),
 `tokenizer_config.json` (`auto_map` to the local slow `tokenization_kimi.TikTokenTokenizer`, Kimi's
-special tokens at Kimi's offsets after the base vocabulary), `tiktoken.model` (BPE ranks derived from
+special tokens at Kimi's offsets after the base vocabulary, media markers included), `tiktoken.model` (BPE ranks derived from
 the demo tokenizer's byte-level merges), the remote-code files and `chat_template.jinja` copied from
 files/. Which real behaviours each file reproduces, and from which public source, is in
 docs/kimi-k25.md. Loading the folder needs `trust_remote_code` (that opt-in is remote_code.py's).
@@ -37,6 +37,10 @@ SPECIAL_OFFSETS = {
     14: "<|tool_call_argument_begin|>",
     15: "<|tool_call_end|>",
     17: "<|im_middle|>",
+    18: "<|media_begin|>",  # 163602 in the real vocabulary
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",  # 163605: config.json's media_placeholder_token_id
     22: "<think>",
     23: "</think>",
     254: "[UNK]",

@@ -5,11 +5,13 @@ docs/kimi-k25.md). Like the real one it is `TikTokenTokenizer(PreTrainedTokenize
 `tiktoken.model` (base64 token, rank), Kimi's pre-tokenization pattern, 256 reserved special ids
 right after the base vocabulary (named by `added_tokens_decoder`, the rest `<|reserved_token_N|>`),
 tokens shown as byte-level unicode strings, and an `apply_chat_template` that turns `tools` into the
-TypeScript-style `tools_ts_str` the template declares. Being slow, it has no offset mapping.
+TypeScript-style `tools_ts_str` the template declares (left out when the encoder cannot read a schema,
+so the template falls back to JSON). Being slow, it has no offset mapping.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from shutil import copyfile
@@ -20,6 +22,7 @@ from transformers import PreTrainedTokenizer
 
 from .tool_declaration_ts import encode_tools_to_typescript_style
 
+logger = logging.getLogger(__name__)
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
 _MAX_CHARS = 400_000  # tiktoken's encode is chunked to bound its regex work
 
@@ -158,7 +161,12 @@ class TikTokenTokenizer(PreTrainedTokenizer):
     ):
         tools = _deep_sort(tools)
         if tools:
-            kwargs["tools_ts_str"] = encode_tools_to_typescript_style(tools)
+            # As the real tokenizer: a schema the encoder cannot read leaves tools_ts_str out, and
+            # the template then declares the tools as compact JSON.
+            try:
+                kwargs["tools_ts_str"] = encode_tools_to_typescript_style(tools)
+            except Exception as e:  # any encoder failure means the JSON form, as in the real one
+                logger.warning("tools not declared TypeScript-style (%s); the template uses JSON", e)
         return super().apply_chat_template(
             conversation,
             tools=tools,
