@@ -51,6 +51,11 @@ from regen_service.cli.base import main, run_id_param
     default=None,
     help="Let the target folder's own Python code run (auto_map, e.g. Kimi-K2.5's tokenizer).",
 )
+@click.option(
+    "--report-to",
+    default=None,
+    help="Trackers, comma-separated: tensorboard (OUT/tb), wandb, mlflow, or none [config: tensorboard].",
+)
 def train_cmd(
     run_id,
     target_path,
@@ -63,6 +68,7 @@ def train_cmd(
     target_backend,
     target_endpoint,
     trust_remote_code,
+    report_to,
 ) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
     from regen_service.errors import ConfigError
@@ -78,6 +84,7 @@ def train_cmd(
             target_backend=target_backend,
             target_endpoint=target_endpoint,
             trust_remote_code=trust_remote_code or None,
+            report_to=[t.strip() for t in report_to.split(",") if t.strip()] if report_to else None,
         )
         summary = train_from_run(
             settings,
@@ -92,6 +99,10 @@ def train_cmd(
         )
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
+    if summary.get("eval"):  # rank 0's summary carries the eval; the table goes to stderr, the JSON to stdout
+        from regen_service.train.evaluate import format_table
+
+        click.echo(format_table(summary["eval"], summary.get("best")), err=True)
     click.echo(json.dumps(summary, default=str))
     sys.stdout.flush()
 
