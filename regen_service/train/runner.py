@@ -13,7 +13,8 @@ A shard's file is found from (run, shard) under THIS trainer's data root (RunLay
 stream event carries is never opened (anyone who can write the stream could point it anywhere). A
 shard that cannot be read (missing, not Parquet, wrong schema) is logged as an error, recorded in
 metrics.jsonl and the checkpoint's `bad_shards`, and acked: it never stops the trainer, restarts
-included.
+included. Held-out rows (eval_set.split_table) are never trained on; evaluation, the best checkpoint,
+trackers and the progress line are monitor.py's.
 """
 
 from __future__ import annotations

@@ -233,3 +233,50 @@ def test_pruning_keeps_the_best_step_directory(tmp_path):
     left = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert left == ["step-00000002", "step-00000005"]
     assert best_path(tmp_path) == tmp_path / "checkpoints" / "step-00000002" / "state.pt"
+
+
+def test_torchrun_two_ranks_score_the_same_held_out_set_as_one(settings, settings_env, tmp_path):
+    """gloo on the CPU: both ranks hold the same eval set, score their stride shares and all-reduce; the set
+    (and so the split) is the one a single process keeps."""
+    import sys
+
+    from tests.procs import spawn
+    from tests.train.test_consumer import _train, _wait
+
+    target = make_tiny_target(tmp_path / "target", layers=4, hidden=32, heads=4, kv_heads=2, embed_scale=10.0)
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(json.dumps({
+        "draft_vocab_size": 256, "max_length": 128, "batch_size": 4, "epochs": 1, "ttt_length": 3, "lr": 1e-3,
+        "log_every_steps": 2, "eval_fraction": 0.3, "eval_every_steps": 2, "poll_s": 0.3,
+    }))  # fmt: skip
+    ledger = register_run(settings, "run-w", num_shards=2, rows_per_shard=12)
+    for shard in range(2):
+        publish_shard(
+            settings, ledger, "run-w", shard, greedy_rows(target, "run-w", 12, new_tokens=16, seed=shard)
+        )
+    args = ["--run", "run-w", "--target", str(target), "--config", str(cfg), "--device", "cpu"]
+    log2 = tmp_path / "torchrun.log"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "workers.trainer",
+        "--",
+    ]
+    _wait(spawn([*torchrun, *args, "--out", str(tmp_path / "out2"), "--group", "g2"], env=settings_env, log=log2),
+          240, log2)  # fmt: skip
+    log1 = tmp_path / "one.log"
+    _wait(_train(settings_env, "run-w", target, tmp_path / "out1", cfg, log1, "--group", "g1"), 240, log1)
+    summaries = [json.loads(line) for line in log2.read_text().splitlines() if line.startswith('{"steps"')]
+    assert len(summaries) == 2
+    main = next(s for s in summaries if "eval" in s)
+    split = HeldOutSplit(fraction=0.3, seed=0)
+    held = [f"p{s}-{i}" for s in range(2) for i in range(12) if split.holds_out(f"p{s}-{i}")]
+    assert main["eval"]["samples"] == len(held) > 0 and main["eval"]["accept_length"]["3"] >= 1.0
+    sets = [load_latest(tmp_path / o)["eval"]["set"] for o in ("out1", "out2")]
+    assert [s["ids"].tolist() for s in sets[0]["samples"]] == [s["ids"].tolist() for s in sets[1]["samples"]]
+    assert sets[0]["split"] == sets[1]["split"] == split.model_dump()
+    assert "held-out eval at step" in log2.read_text()  # the table, printed once by rank 0
