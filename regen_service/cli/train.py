@@ -56,6 +56,11 @@ from regen_service.cli.base import main, run_id_param
     default=None,
     help="Let the target folder's own Python code run (auto_map, e.g. Kimi-K2.5's tokenizer).",
 )
+@click.option(
+    "--report-to",
+    default=None,
+    help="Trackers, comma-separated: tensorboard (OUT/tb), wandb, mlflow, or none [config: tensorboard].",
+)
 def train_cmd(
     run_id,
     target_path,
@@ -69,6 +74,7 @@ def train_cmd(
     target_endpoint,
     target_states_dir,
     trust_remote_code,
+    report_to,
 ) -> None:
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
     from regen_service.errors import ConfigError, RegenError
@@ -85,6 +91,7 @@ def train_cmd(
             target_endpoint=target_endpoint,
             target_states_dir=target_states_dir,
             trust_remote_code=trust_remote_code or None,
+            report_to=[t.strip() for t in report_to.split(",") if t.strip()] if report_to else None,
         )
         summary = train_from_run(
             settings,
@@ -101,6 +108,10 @@ def train_cmd(
         raise click.ClickException(str(e)) from e
     except RegenError as e:  # e.g. the vLLM target backend's EngineStateError: a message, not a traceback
         raise click.ClickException(str(e)) from None
+    if summary.get("eval"):  # rank 0's summary carries the eval; the table goes to stderr, the JSON to stdout
+        from regen_service.train.evaluate import format_table
+
+        click.echo(format_table(summary["eval"], summary.get("best")), err=True)
     click.echo(json.dumps(summary, default=str))
     sys.stdout.flush()
 

@@ -1,4 +1,4 @@
-"""Trainer checkpoints: OUT/checkpoints/step-00000123/state.pt plus OUT/checkpoints/latest.
+"""Trainer checkpoints: OUT/checkpoints/step-00000123/state.pt plus OUT/checkpoints/latest (and `best`).
 
 The state is written into a temporary directory, fsynced and renamed into place; only then is the
 text file `latest` replaced (atomically) with the step directory's name, so a reader (a resuming
@@ -6,7 +6,9 @@ trainer, `regen export`) never sees a half checkpoint. Keys of state.pt (a fixed
 export` reads them): draft_state_dict (SGLang names incl. d2t/t2d, no embed_tokens), draft_config,
 aux_layer_ids (layer INPUT indices captured), target_num_layers, optimizer, scheduler, step,
 train_config, consumed_shards (list of [run_id, shard_id]), in_progress (None, or the shard being
-trained and the next batch index in it), plus vocab_stats and target_path. Imports torch only.
+trained and the next batch index in it), plus vocab_stats and target_path. `best` (written by
+`mark_best`, same format as `latest`) names the step directory with the best held-out accept length;
+pruning keeps it whatever its age. Imports torch only.
 
 Loading never runs code: `torch.load(weights_only=True)` (tensors, numbers, strings, lists, dicts:
 all the state holds), so a pickle planted in the output directory (it sits on a volume every worker
@@ -80,8 +82,9 @@ def save_checkpoint(out_dir: str | Path, state: dict, keep: int = 3) -> Path:
 
 def _prune(root: Path, keep: int, current: str) -> None:
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    best = _pointer(root / "best")  # the best checkpoint by held-out eval is never pruned
     for p in steps[:-keep]:
-        if p.name != current:
+        if p.name not in (current, best):
             shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".tmp-*"):  # left by a trainer killed mid-write
         shutil.rmtree(p, ignore_errors=True)
@@ -116,6 +119,32 @@ def latest_path(out_dir: str | Path) -> Path | None:
     if step is None:
         return None
     path = step / "state.pt"
+    return path if path.exists() else None
+
+
+def _pointer(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def mark_best(out_dir: str | Path, name: str) -> None:
+    """Point OUT/checkpoints/best at step directory `name` (written the way `latest` is: atomically)."""
+    root = Path(out_dir) / "checkpoints"
+    tmp = root / f".best-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / "best")
+    _fsync_dir(root)
+
+
+def best_path(out_dir: str | Path) -> Path | None:
+    """state.pt of the best checkpoint by held-out accept length, if one was marked and is still there."""
+    root = Path(out_dir) / "checkpoints"
+    name = _pointer(root / "best")
+    if name is None or not name.startswith("step-") or "/" in name:
+        return None
+    path = root / name / "state.pt"
     return path if path.exists() else None
 
 

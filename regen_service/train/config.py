@@ -84,6 +84,21 @@ class TrainConfig(BaseModel):
     # stream: how long another consumer's pending shard must sit idle before we take it over
     claim_idle_s: float = Field(default=600.0, gt=0)
     poll_s: float = Field(default=2.0, gt=0)
+    # held-out evaluation (evaluate.py, docs/training.md): prompts whose id schemas.heldout holds out
+    # are never trained on; up to eval_max_samples of their samples (cut at eval_max_length) are scored
+    # every eval_every_steps (0 = only at the end) and at the end; the best checkpoint is the one with
+    # the highest accept length at eval_accept_k draft tokens (capped at ttt_length; 3 = SGLang's 3/1/4)
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)  # 0 = no held-out split, no eval
+    eval_seed: int = 0
+    eval_every_steps: int = Field(default=500, ge=0)
+    eval_max_samples: int = Field(default=256, ge=1)
+    eval_max_length: int = Field(default=2048, ge=8)
+    eval_accept_k: int = Field(default=3, ge=1)
+    # trackers for train and eval scalars: TensorBoard event files in OUT/tb by default; wandb and
+    # mlflow are optional extras (regen[wandb], regen[mlflow]); "none" alone turns tracking off
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
+        default_factory=lambda: ["tensorboard"]
+    )
 
     @model_validator(mode="after")
     def _endpoint_for_engine(self) -> TrainConfig:

@@ -13,7 +13,8 @@ A shard's file is found from (run, shard) under THIS trainer's data root (RunLay
 stream event carries is never opened (anyone who can write the stream could point it anywhere). A
 shard that cannot be read (missing, not Parquet, wrong schema) is logged as an error, recorded in
 metrics.jsonl and the checkpoint's `bad_shards`, and acked: it never stops the trainer, restarts
-included.
+included. Held-out rows (eval_set.split_table) are never trained on; evaluation, the best checkpoint,
+trackers and the progress line are monitor.py's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from regen_service.train.checkpoint import load_latest, save_checkpoint
 from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
+from regen_service.train.eval_set import split_table
+from regen_service.train.monitor import Monitor
 from regen_service.train.preflight import check_train_config
 from regen_service.train.target import HFTarget
 from regen_service.train.train import DraftTrainer, draft_config_for
@@ -113,13 +116,14 @@ class _Run:
         self.vocab_stats: dict | None = ckpt.get("vocab_stats") if ckpt else None
         self.bad_shards: list[dict] = list(ckpt.get("bad_shards") or []) if ckpt else []
         self.feed = None
-        total = cfg.total_steps
+        total, num_shards = cfg.total_steps, None
         if ctx.is_main:
             ledger = Ledger(settings)
             name = consumer or default_consumer_name(str(self.out))
             self.feed = ShardFeed(ledger, run_id, group, name, cfg.claim_idle_s, cfg.poll_s)
+            rec = ledger.run_record(run_id)
+            num_shards = int(rec["num_shards"]) if rec and rec.get("num_shards") else None
             if total is None:
-                rec = ledger.run_record(run_id)
                 if rec is None:
                     raise ConfigError(
                         f"run {run_id} is unknown to the ledger; set total_steps in the train config"
@@ -132,6 +136,7 @@ class _Run:
         if ckpt:
             self.trainer.load_state(ckpt)
         self._last_saved_step = self.trainer.step if ckpt else -1
+        self.mon = Monitor(self, ckpt, num_shards)  # held-out eval, best checkpoint, trackers, progress
         self._saved_bad = len(self.bad_shards)
         self.metrics_path = self.out / "metrics.jsonl"
         self._cache: dict[str, list[D.Example]] = {}  # rank 0: examples read while picking a shard
@@ -161,22 +166,30 @@ class _Run:
             log.info("training samples: %s (from the target's chat template)", self.cfg.samples)
         return self.cfg.samples
 
-    def _examples(self, ref: ShardRef) -> list[D.Example] | None:
-        """The shard's examples, read from our own data root; None (recorded, acked) if unreadable."""
+    def _examples(self, ref: ShardRef) -> tuple[list[D.Example], dict] | None:
+        """The shard's training examples and its held-out ones (never trained on, eval_set.split_table),
+        read from our own data root; None (recorded, acked) if unreadable."""
         path = RunLayout(self.storage, ref.run_id).output_shard(ref.shard_id)
         samples = self._samples()  # a tokenizer that cannot load is the config's fault, not the shard's
         try:
-            examples, stats = D.table_examples(
-                self.storage.read_table(path), self._renderer_factory, self.cfg.max_length, samples
-            )
+            table, held_tables, trained = split_table(self.storage.read_table(path), self.mon.evalset.split)
+            examples, stats = D.table_examples(table, self._renderer_factory, self.cfg.max_length, samples)
+            held = {
+                "examples": {
+                    src: D.table_examples(t, self._renderer_factory, self.cfg.max_length, samples)[0]
+                    for src, t in held_tables.items()
+                },
+                "trained": trained,
+                "held_rows": {src: t.num_rows for src, t in held_tables.items()},
+            }
         except _UNREADABLE as e:
             if not self.ctx.is_main:
                 raise  # rank 0 read the same file first and found it good
             self._bad_shard(ref, path, e)
             return None
         if self.ctx.is_main:
-            log.info("shard %s/%d: %s", ref.run_id, ref.shard_id, stats)
-        return examples
+            log.info("shard %s/%d: %s, held out %s", ref.run_id, ref.shard_id, stats, held["held_rows"])
+        return examples, held
 
     def _bad_shard(self, ref: ShardRef, path: str, err: BaseException) -> None:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
@@ -197,9 +210,9 @@ class _Run:
             if ref.key in done:
                 self.feed.ack({ref.key})  # checkpointed before a kill, never acked: ack now, do not retrain
                 continue
-            examples = self._examples(ref)
-            if examples is not None:
-                self._cache[ref.entry_id] = examples
+            loaded = self._examples(ref)
+            if loaded is not None:
+                self._cache[ref.entry_id] = loaded
                 return ref
         return None
 
@@ -220,7 +233,8 @@ class _Run:
             if ref_d is None:
                 break
             ref = ShardRef(**ref_d)
-            examples = cache.pop(ref.entry_id) if ref.entry_id in cache else self._examples(ref)
+            examples, held = cache.pop(ref.entry_id) if ref.entry_id in cache else self._examples(ref)
+            self.mon.add_shard(held)
             self._train_shard(ref, examples)
             if self.ctx.is_main:
                 if self.feed.still_ours(ref):
@@ -229,10 +243,13 @@ class _Run:
                     log.warning(
                         "shard %s was taken over by another trainer; not recorded as consumed", ref.key
                     )
-                if len(self.consumed) % self.cfg.checkpoint_every_shards == 0:
+                if len(self.consumed) % self.cfg.checkpoint_every_shards == 0 or self.mon.best_pending:
                     self._checkpoint(None)
+        self.mon.finish()  # the final held-out evaluation (every rank)
         if self.ctx.is_main and (
-            self.trainer.step != self._last_saved_step or len(self.bad_shards) != self._saved_bad
+            self.trainer.step != self._last_saved_step
+            or len(self.bad_shards) != self._saved_bad
+            or self.mon.best_pending is not None
         ):
             self._checkpoint(None)
         consumed = broadcast_object(len(self.consumed), self.ctx)  # rank 0 alone keeps the list
@@ -244,12 +261,14 @@ class _Run:
                 "checkpoint": latest.read_text().strip() if latest.exists() else None,
                 "vocab": self.vocab_stats,
                 "bad_shards": len(self.bad_shards),
+                **self.mon.summary(),
             }
         )
 
     def _close(self, summary: dict) -> dict:
         if self.feed is not None:
             self.feed.close()
+        self.mon.close()
         self.target.close()
         return summary
 
@@ -261,7 +280,7 @@ class _Run:
             ref = self._next_local()
             if ref is None:
                 break
-            for ex in cache[ref.entry_id]:
+            for ex in cache[ref.entry_id][0]:  # training examples only: held-out rows never count
                 counter.add(ex.ids, ex.mask)
             first.append(ref)
         if not first:
@@ -295,13 +314,10 @@ class _Run:
                 metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl)
                 if tr.step % cfg.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)
+                best = self.mon.stepped(len(exs), b)  # held-out eval when due (every rank)
                 mid_shard = b + 1 < n or epoch + 1 < cfg.epochs
-                if (
-                    ctx.is_main
-                    and cfg.checkpoint_every_steps
-                    and tr.step % cfg.checkpoint_every_steps == 0
-                    and mid_shard
-                ):
+                every = cfg.checkpoint_every_steps
+                if ctx.is_main and (best or (every and tr.step % every == 0)) and mid_shard:
                     pos = {
                         "run_id": ref.run_id,
                         "shard_id": ref.shard_id,
@@ -322,6 +338,7 @@ class _Run:
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        self.mon.on_log(rec, len(self.consumed))
 
     def _checkpoint(self, in_progress: dict | None) -> None:
         state = self.trainer.state()
@@ -336,8 +353,10 @@ class _Run:
             target_path=str(self.target_path),
             run_id=self.run_id,
             torch_version=str(torch.__version__),  # a plain str: weights_only loads it
+            **self.mon.state(),
         )
         path = save_checkpoint(self.out, state, keep=self.cfg.keep_checkpoints)
+        self.mon.saved(path.name, self.trainer.step)
         self._last_saved_step = self.trainer.step
         self._saved_bad = len(self.bad_shards)
         acked = self.feed.ack(set(self.consumed))

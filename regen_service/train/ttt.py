@@ -15,6 +15,8 @@ reference: per-step fp32 logits through plain autograd). Imports torch only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from regen_service.train.loss import head_loss, reference_loss
@@ -26,6 +28,23 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
     if k >= x.shape[1]:
         return torch.zeros_like(x)
     return torch.cat([x[:, k:], x.new_zeros(x.shape[0], k)], 1)
+
+
+def unroll(
+    draft: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int
+) -> Iterator[torch.Tensor]:
+    """The draft's output hidden [B, T, H] of each TTT step in turn: step i at position t (position id
+    t + i) reads token x[t+1+i] and step i-1's hidden (step 0: fc(aux)). The training loss and the
+    held-out evaluation (evaluate.py) both unroll through here, so they score the same computation."""
+    t = input_ids.shape[1]
+    hidden = draft.fc(aux.to(draft.fc.weight.dtype))
+    cos, sin = draft.rotary.get(t + steps, input_ids.device, hidden.dtype)
+    cache: list = []
+    for i in range(steps):
+        hidden = draft.step_hidden(
+            _shift(input_ids, 1 + i), hidden, cos[None, None, i : i + t], sin[None, None, i : i + t], cache
+        )
+        yield hidden
 
 
 def ttt_loss(
@@ -45,18 +64,12 @@ def ttt_loss(
     Returns the weighted loss and per-step detached metrics (loss_i, acc_i, tokens_i)."""
     b, t = input_ids.shape
     dev = input_ids.device
-    hidden = draft.fc(aux.to(draft.fc.weight.dtype))
-    cos, sin = draft.rotary.get(t + ttt_length, dev, hidden.dtype)
     ar = torch.arange(t, device=dev)
-    cache: list = []
     outs, tgts, valids, weights, rows = [], [], [], [], []
-    for i in range(ttt_length):
+    for i, hidden in enumerate(unroll(draft, aux, input_ids, ttt_length)):
         tgt = draft.t2d_index[_shift(target_ids, 1 + i)]
         valid = _shift(loss_mask, 2 + i).bool() & (tgt >= 0)
         n = valid.sum().clamp(min=1)
-        hidden = draft.step_hidden(
-            _shift(input_ids, 1 + i), hidden, cos[None, None, i : i + t], sin[None, None, i : i + t], cache
-        )
         outs.append(hidden)
         tgts.append(tgt.clamp(min=0))
         valids.append(valid)

@@ -24,6 +24,7 @@ from tests.train.test_accept import _draft
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a pipeline run plus 12 epochs: past the default 300 s on a busy 2-core box
 @pytest.mark.parametrize("draft_arch", ["llama", "mla"])
 def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_path, draft_arch):
     from transformers import AutoTokenizer
@@ -39,13 +40,17 @@ def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_p
     texts = {tok.decode(p[-12 - 3 : -3]) for p in pool_prompts} | {
         f"item {rng.random():.6f}" for _ in range(4)
     }
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in sorted(texts)))
+    # two sources, so the held-out evaluation reports each
+    sources = []
+    for name, part in (("tiny", sorted(texts)[0::2]), ("tiny-b", sorted(texts)[1::2])):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in part))
+        sources.append({"name": name, "path": str(data), "format": "prompt_response"})
     mix = tmp_path / "tiny.yaml"
     mix.write_text(yaml.safe_dump({
         "name": "tiny-e2e", "target": {"model": "tiny-llama", "api": "generate", "tokenizer": str(target_dir)},
         "sampling": {"temperature": 0.0, "max_new_tokens": 40}, "regenerate": {"turns": "last", "thinking": "off"},
-        "shard_size": 50, "sources": [{"name": "tiny", "path": str(data), "format": "prompt_response"}],
+        "shard_size": 50, "sources": sources,
     }))  # fmt: skip
     res = enqueue(settings, mix)
     sim = ("--hf-model", str(target_dir), "--tokenizer", str(target_dir), "--model", "tiny-llama",
@@ -60,6 +65,7 @@ def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_p
     cfg.write_text(yaml.safe_dump({
         "draft_vocab_size": 512, "max_length": 256, "batch_size": 12, "epochs": 12, "lr": 2e-3, "ttt_length": 4,
         "warmup_ratio": 0.05, "log_every_steps": 8, "draft_arch": draft_arch,
+        "eval_fraction": 0.1, "eval_every_steps": 24, "eval_max_samples": 32,
     }))  # fmt: skip
     env = {**os.environ, **settings_env}
     out = tmp_path / "out"
@@ -67,6 +73,16 @@ def test_pipeline_data_trains_a_draft_that_accepts(settings, settings_env, tmp_p
                       "--config", str(cfg), "--device", "cpu")  # fmt: skip
     done = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # held-out evaluation: the table on stderr, per source, and the best checkpoint beside the latest
+    progress = [line for line in done.stderr.splitlines() if "progress: step" in line]
+    table = done.stderr[done.stderr.rindex("\nheld-out eval at step") + 1 :] if summary["eval"] else ""
+    evals = [line for line in done.stderr.splitlines() if "monitor: held-out eval at step" in line]
+    print(progress[-1] if progress else "(no progress line)", *evals, table, sep="\n")
+    assert progress and "eval accept@3" in progress[-1]
+    assert set(summary["eval"]["sources"]) == {"tiny", "tiny-b"} and "tiny-b" in table
+    assert summary["best"]["accept_length"] >= summary["eval"]["accept_length"]["3"] > 1.2
+    assert (out / "checkpoints" / "best").exists() and list((out / "tb").glob("events.out.tfevents.*"))
     ckpt = load_latest(out)
     assert sorted(s for _, s in ckpt["consumed_shards"]) == list(range(res.num_shards))
 

@@ -19,6 +19,8 @@ from tests.procs import regen_cmd, spawn, stop, wait_exit, wait_progress
 CONFIG = {
     "draft_vocab_size": 256, "max_length": 128, "batch_size": 4, "epochs": 3, "ttt_length": 3,
     "lr": 1e-3, "checkpoint_every_steps": 2, "log_every_steps": 2, "claim_idle_s": 3.0, "poll_s": 0.3,
+    # the step counts below are exact: no held-out split here (tests/train/test_eval.py covers it)
+    "eval_fraction": 0.0,
 }  # fmt: skip
 
 
