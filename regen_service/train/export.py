@@ -177,6 +177,13 @@ def export_checkpoint(
             raise ConfigError(f"{step}/state.pt lacks {key!r}: not a regen trainer checkpoint")
     tensors = {fmt.canonical_key(k): v for k, v in state["draft_state_dict"].items()}
     cfg = build_config(dict(state["draft_config"]), list(state["aux_layer_ids"]), engine)
+    # the held-out split it was trained with, so `regen eval-draft --run RUN --draft DIR` scores exactly the
+    # prompts the trainer never saw and scored (cli/evaldraft.recorded_split reads it back)
+    split = state.get("train_config") or {}
+    if split.get("eval_fraction") is not None:
+        cfg["regen"].update(
+            eval_fraction=float(split["eval_fraction"]), eval_seed=int(split.get("eval_seed") or 0)
+        )
     if fmt.embedding_shared(cfg):
         tensors.pop("embed_tokens.weight", None)  # both engines use the target's embedding
     # else a draft narrower/wider than its target keeps the embedding it was trained with: SGLang's

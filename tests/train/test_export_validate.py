@@ -132,6 +132,21 @@ def test_export_writes_sglang_format_and_validates(exported, tmp_path):
     assert data["summary"]["parameters"] > 0 and data["summary"]["file_bytes"] > 0
 
 
+def test_export_records_the_held_out_split_for_eval_draft(tmp_path):
+    from regen_service.cli.evaldraft import recorded_split
+
+    step = make_checkpoint(tmp_path / "train")
+    state = torch.load(step / "state.pt", weights_only=True)
+    torch.save({**state, "train_config": {"eval_fraction": 0.1, "eval_seed": 7}}, step / "state.pt")
+    target = make_target(tmp_path / "target")
+    res = cli(
+        "export", str(tmp_path / "train"), "--out", str(tmp_path / "draft"), "--target-config", str(target)
+    )
+    assert res.exit_code == 0, res.output
+    # eval-draft reads the split from the exported folder as it does from the checkpoint
+    assert recorded_split(str(tmp_path / "draft")) == recorded_split(str(tmp_path / "train")) == (0.1, 7)
+
+
 def test_export_accepts_step_dir_and_checkpoints_dir(tmp_path):
     step = make_checkpoint(tmp_path / "train")
     assert cli("export", str(step), "--out", str(tmp_path / "a")).exit_code == 0
