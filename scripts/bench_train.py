@@ -27,10 +27,10 @@ from types import SimpleNamespace
 
 import torch
 
-from regen_service.train.checkpoint import save_checkpoint
+from regen_service.draft.checkpoint import save_checkpoint
+from regen_service.draft.config import DraftConfig
 from regen_service.train.dist import init_distributed, shutdown
-from regen_service.train.model import DraftConfig
-from regen_service.train.train import DraftTrainer
+from regen_service.train.trainer import DraftTrainer
 
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
 

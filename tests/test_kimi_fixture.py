@@ -234,7 +234,7 @@ def test_masks_on_the_fast_demo_tokenizer_are_unchanged():
 
 
 def test_validate_draft_and_launch_take_the_kimi_folder(kimi_dir, tmp_path, monkeypatch):
-    import tests.train.test_export_validate as ev
+    import tests.draft.test_export_validate as ev
 
     tc = json.loads((kimi_dir / "config.json").read_text())["text_config"]
     monkeypatch.setattr(ev, "VOCAB", tc["vocab_size"])

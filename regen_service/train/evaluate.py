@@ -20,7 +20,7 @@ Counts are summed over the eval set before any ratio (as SpecForge's evaluator d
 not depend on the batch size) and, under torchrun, over ranks: every rank scores its stride share of
 the same eval set and the count table is all-reduced (one collective of a fixed shape). The target's
 mean next-token entropy over the draft vocabulary is reported too (a flat target teaches soft targets
-nothing). Deciding when to evaluate and what to do with the result is runner.py's.
+nothing). Deciding when to evaluate and what to do with the result is loop.py's.
 """
 
 from __future__ import annotations

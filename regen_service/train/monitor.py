@@ -1,6 +1,6 @@
 """The trainer's watch over its draft: held-out evaluation on schedule, the best checkpoint, trackers, progress.
 
-runner.py calls it at a few points (a shard about to be trained, every step, every log record, every
+loop.py calls it at a few points (a shard about to be trained, every step, every log record, every
 checkpoint, the end); it owns the eval set (eval_set.py), runs evaluate.py every `eval_every_steps`
 and at the end (on every rank together: the evaluation all-reduces its counts), keeps the best result
 by accept length at `eval_accept_k` draft tokens and asks for a checkpoint at that step (marked
@@ -15,8 +15,8 @@ import logging
 import time
 from pathlib import Path
 
+from regen_service.draft.checkpoint import mark_best, step_dir_name
 from regen_service.train import evaluate as E
-from regen_service.train.checkpoint import mark_best, step_dir_name
 from regen_service.train.eval_set import EvalSet
 from regen_service.train.progress import Progress, not_learning, warn_not_learning
 from regen_service.train.tracking import Trackers, eval_scalars

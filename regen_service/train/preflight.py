@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from regen_service.draft.aux_layers import checked_aux_layer_ids
 from regen_service.errors import ConfigError
 from regen_service.train.config import TrainConfig
-from regen_service.train.target import checked_aux_layer_ids
 
 
 def target_text_config(target_path: str | Path) -> dict:

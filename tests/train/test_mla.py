@@ -17,12 +17,13 @@ import torch
 from click.testing import CliRunner
 
 from regen_service.cli import main
+from regen_service.draft.config import DraftConfig
 from regen_service.train.config import TrainConfig
-from regen_service.train.model import DraftConfig, Eagle3Draft
-from regen_service.train.train import draft_config_for
+from regen_service.train.model import Eagle3Draft
+from regen_service.train.trainer import draft_config_for
 from regen_service.train.ttt import ttt_loss
 from regen_service.train.vocab import build_vocab
-from tests.train.test_export_validate import make_target
+from tests.draft.test_export_validate import make_target
 
 H, HEADS, NOPE, ROPE, V, Q_RANK, KV_RANK = 32, 4, 8, 4, 8, 24, 16
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
+from regen_service.draft.checkpoint import load_latest, save_checkpoint
 from regen_service.errors import ConfigError
 from regen_service.remote_code import load_tokenizer, require_opt_in
 from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train import data as D
-from regen_service.train.checkpoint import load_latest, save_checkpoint
 from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
@@ -41,7 +41,7 @@ from regen_service.train.eval_set import split_table
 from regen_service.train.monitor import Monitor
 from regen_service.train.preflight import check_train_config
 from regen_service.train.target import HFTarget
-from regen_service.train.train import DraftTrainer, draft_config_for
+from regen_service.train.trainer import DraftTrainer, draft_config_for
 from regen_service.train.vocab import VocabCounter, build_vocab, coverage
 
 # What reading a planted or broken shard raises: missing file, not Parquet (ArrowInvalid is a

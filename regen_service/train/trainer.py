@@ -2,7 +2,7 @@
 
 `DraftTrainer` owns the model, optimizer and schedule and turns (target states, ids, masks, and the
 target's draft-vocab distribution for soft targets) into one optimizer step; it knows nothing about
-Redis or shards (runner.py feeds it; the GPU benchmark feeds it synthetic states). On a GPU with
+Redis or shards (loop.py feeds it; the GPU benchmark feeds it synthetic states). On a GPU with
 `bf16` the parameters are bf16 (the frozen target embedding too: no fp32 copy of it) and AdamW
 steps fp32 master weights (optim.py); attention is flex (flexattn.py). The CPU keeps fp32 and the
 eager attention. Under torchrun the TTT module is wrapped in DistributedDataParallel. Imports
@@ -18,9 +18,10 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from regen_service.draft.config import DraftConfig
 from regen_service.train import flexattn
 from regen_service.train.dist import DistContext, all_reduce_mean
-from regen_service.train.model import DraftConfig, Eagle3Draft
+from regen_service.train.model import Eagle3Draft
 from regen_service.train.optim import MasterWeights
 from regen_service.train.rope import scaling_type
 from regen_service.train.ttt import TTTModule
