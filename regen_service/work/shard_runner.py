@@ -95,8 +95,8 @@ def process_shard(
             layout,
             shard_id,
             owner,
-            flush_rows=runtime.config.flush_rows,
-            flush_interval_s=runtime.config.flush_interval_s,
+            flush_rows=runtime.config.shard_log.flush_rows,
+            flush_interval_s=runtime.config.shard_log.flush_interval_s,
         )
         prog = Progress(rows={})
         if redo_errors and storage.exists(layout.output_shard(shard_id)):

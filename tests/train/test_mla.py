@@ -106,18 +106,20 @@ def test_mla_shapes_are_the_mla_targets_own_and_proportional_for_others():
     kimi = _target(
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
     )
-    dc = draft_config_for(kimi, TrainConfig(draft_arch="mla"))
+    dc = draft_config_for(kimi, TrainConfig(draft_arch="mla").model)
     assert (dc.draft_arch, dc.num_attention_heads, dc.q_lora_rank, dc.kv_lora_rank) == ("mla", 64, 1536, 512)
     assert (dc.qk_nope_head_dim, dc.qk_rope_head_dim, dc.v_head_dim, dc.hidden_size) == (128, 64, 128, 7168)
     # a Llama target (no MLA dims): DeepSeek-V2's proportions of its head dim (4096 / 32 = 128)
-    llama = draft_config_for(_target(hidden_size=4096, num_attention_heads=32), TrainConfig(draft_arch="mla"))
+    llama = draft_config_for(
+        _target(hidden_size=4096, num_attention_heads=32), TrainConfig(draft_arch="mla").model
+    )
     assert (llama.q_lora_rank, llama.kv_lora_rank, llama.qk_nope_head_dim, llama.qk_rope_head_dim) == (
         1536,
         512,
         128,
         64,
     )
-    assert draft_config_for(kimi, TrainConfig()).draft_arch == "llama"  # the default stays Llama-style
+    assert draft_config_for(kimi, TrainConfig().model).draft_arch == "llama"  # the default stays Llama-style
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

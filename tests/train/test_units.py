@@ -181,7 +181,7 @@ def test_train_config_is_strict(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text(json.dumps({"ttt_length": 3, "draft_vocab_size": 100}))
     cfg = TrainConfig.load(path)
-    assert cfg.ttt_length == 3 and cfg.lr == 1e-4
+    assert cfg.optimisation.ttt_length == 3 and cfg.optimisation.lr == 1e-4
     path.write_text("ttt_lenght: 3\n")
     with pytest.raises(ConfigError, match="ttt_lenght"):
         TrainConfig.load(path)
