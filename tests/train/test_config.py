@@ -49,20 +49,18 @@ def test_every_field_has_one_section_and_the_flat_form_round_trips():
     assert TrainConfig.model_validate(flat) == cfg
 
 
-def test_a_key_given_flat_and_nested_is_refused_naming_both(tmp_path):
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max_length: 128\ndata: {max_length: 256}\n", r"max_length is given twice.*keep data\.max_length"),
+        ("ttt_lenght: 3\n", "ttt_lenght"),  # unknown at the top level
+        ("optimisation: {ttt_lenght: 3}\n", r"optimisation\.ttt_lenght"),  # unknown inside a section
+    ],
+)
+def test_a_key_twice_or_unknown_is_refused_by_name(tmp_path, text, message):
     path = tmp_path / "train.yaml"
-    path.write_text("max_length: 128\ndata: {max_length: 256}\n")
-    with pytest.raises(ConfigError, match=r"max_length is given twice.*keep data\.max_length"):
-        TrainConfig.load(path)
-
-
-def test_unknown_keys_are_refused_at_the_top_and_inside_a_section(tmp_path):
-    path = tmp_path / "train.yaml"
-    path.write_text("ttt_lenght: 3\n")
-    with pytest.raises(ConfigError, match="ttt_lenght"):
-        TrainConfig.load(path)
-    path.write_text("optimisation: {ttt_lenght: 3}\n")
-    with pytest.raises(ConfigError, match=r"optimisation\.ttt_lenght"):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
         TrainConfig.load(path)
 
 
