@@ -1,7 +1,7 @@
 """Is this draft directory something the serving engine (SGLang, or vLLM) loads correctly? Every way it
 could load silently wrong.
 
-`validate_draft(dir, target, engine)` returns a report with ALL problems found (code, file, key, message,
+`validate_draft(dir, target, engine)` returns a report (report.py's DraftReport) with ALL problems found (code, file, key, message,
 fix) and a summary naming the engine release whose loaders it follows; it reads only the safetensors
 header plus the small `d2t`/`t2d` tensors, with numpy, so it runs anywhere in a second. Callers: `regen
 validate-draft`, `regen export`, `regen convert-draft` and the launch preflights. Formats: Llama-style

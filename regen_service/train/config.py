@@ -156,6 +156,18 @@ class TrainConfig(_Section):
     def _flat_keys_into_sections(cls, data: Any) -> Any:
         return nest(data)
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> TrainConfig:
+        """BaseModel.model_copy, with a flat field name in `update` copied into its section: pydantic
+        would set it as a stray attribute beside the section and the field would keep its old value."""
+        if update:
+            sections = {}
+            for key, value in nest(dict(update)).items():
+                if key in SECTIONS and isinstance(value, dict):
+                    value = getattr(self, key).model_copy(update=value, deep=deep)
+                sections[key] = value
+            update = sections
+        return super().model_copy(update=update, deep=deep)
+
     def flat_dict(self) -> dict:
         """Every field under its own name, sections dropped: what checkpoints record (and train.yaml
         of earlier releases held); TrainConfig.model_validate reads it back."""

@@ -8,7 +8,7 @@ Exactly-once across kills and several trainers rests on four rules:
 - while training, a keepalive thread re-claims our own pending entries (only those still ours,
   checked in one Lua call), so a live but slow trainer's shard is never taken over.
 New entries are read one at a time, when the trainer is ready for them, so trainers sharing a
-group split the run fairly. The training itself, and which shards count as consumed, is trainer.py's.
+group split the run fairly. The training itself, and which shards count as consumed, is train.py's.
 """
 
 from __future__ import annotations

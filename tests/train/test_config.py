@@ -70,3 +70,10 @@ def test_command_line_overrides_land_in_their_sections_over_the_file(tmp_path):
     cfg = TrainConfig.load(path, report_to=["none"], trust_remote_code=True, target_endpoint=None)
     assert cfg.tracking.report_to == ["none"] and cfg.target_states.trust_remote_code is True
     assert cfg.target_states.target_endpoint is None
+
+
+def test_model_copy_puts_a_flat_update_into_its_section():
+    cfg = TrainConfig(eval_seed=0, lr=1e-4)
+    copy = cfg.model_copy(update={"eval_seed": 3, "optimisation": {"lr": 2e-4}})
+    assert copy.evaluation.eval_seed == 3 and copy.optimisation.lr == 2e-4
+    assert cfg.evaluation.eval_seed == 0 and not hasattr(copy, "eval_seed")

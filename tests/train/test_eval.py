@@ -86,9 +86,7 @@ def test_eval_set_is_bounded_and_round_trips_through_a_checkpoint_state():
         (s.source, s.ids.tolist()) for s in es.samples
     ]
     with pytest.raises(ConfigError, match=r"eval_fraction: 0\.5 and eval_seed: 0"):
-        EvalSet(
-            cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"eval_seed": 3})})
-        ).load(es.state(), "out", had_ckpt=True)
+        EvalSet(cfg.model_copy(update={"eval_seed": 3})).load(es.state(), "out", had_ckpt=True)
     assert batch_samples(9, 4, 2, 0) == 8 and batch_samples(9, 4, 2, 1) == 1
 
 
