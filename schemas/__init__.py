@@ -23,6 +23,7 @@ from schemas.mix import (
     TargetSpec,
     load_mix,
 )
+from schemas.prompt_rows import prompt_row, prompts_from_table
 from schemas.records import RunManifest, ShardDoneEvent, SourceStats
 from schemas.rows import OutputRow, Turn, output_rows, output_table
 from schemas.tables import (
@@ -58,4 +59,6 @@ __all__ = [
     "load_mix",
     "output_rows",
     "output_table",
+    "prompt_row",
+    "prompts_from_table",
 ]

@@ -1,7 +1,9 @@
 """The dataset mix: what to regenerate, against which target, with which settings.
 
 A mix is a YAML file validated once (extra keys are errors, so a typo never silently means "default").
-`load_mix` turns pydantic's errors into lines that name the field and what it accepts. Reading the
+`load_mix` turns pydantic's errors into lines that name the field and what it accepts, and resolves
+every relative path once against the mix file's folder (`MixSpec.paths`, beside the fields as written:
+the run id hashes those, so a moved mix folder keeps its id). Reading the
 datasets the mix names is the sources' job (regen_service.produce.sources), not this module's.
 """
 
@@ -12,7 +14,15 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from schemas.yamlfile import YamlRefused, load_yaml
 
@@ -135,6 +145,27 @@ class SourceSpec(_Strict):
         return self
 
 
+DataFiles = str | list[str] | dict[str, str | list[str]] | None
+
+
+class SourcePaths(_Strict):
+    """One source's file locations, absolute (URLs pass through): `path`, or hf's data_files / data_dir."""
+
+    path: str | None = None
+    data_files: DataFiles = None
+    data_dir: str | None = None
+
+
+class MixPaths(_Strict):
+    """Every path a mix names, resolved once against the mix file's folder (`MixSpec.paths`)."""
+
+    tokenizer: str | None = None
+    sources: dict[str, SourcePaths] = Field(default_factory=dict)  # by source name
+
+    def of(self, source: SourceSpec) -> SourcePaths:
+        return self.sources[source.name]
+
+
 class MixSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits, '_' and '-'")
     target: TargetSpec
@@ -145,6 +176,7 @@ class MixSpec(_Strict):
     sources: list[SourceSpec] = Field(min_length=1)
     # where relative paths resolve; set by load_mix, not by the YAML
     base_dir: str | None = Field(default=None, exclude=True)
+    _paths: MixPaths | None = PrivateAttr(default=None)
 
     @field_validator("sources")
     @classmethod
@@ -160,6 +192,37 @@ class MixSpec(_Strict):
         if "://" in relative or Path(relative).is_absolute() or self.base_dir is None:
             return relative
         return str(Path(self.base_dir) / relative)
+
+    @property
+    def paths(self) -> MixPaths:
+        """The mix's paths made absolute, resolved once (by parse_mix, at load); the fields keep what
+        the file says, so the run id (a hash of them) does not depend on where the mix lies."""
+        return self._paths or self.resolve_paths()
+
+    def resolve_paths(self) -> MixPaths:
+        self._paths = MixPaths(
+            tokenizer=self.resolve(self.target.tokenizer) if self.target.tokenizer else None,
+            sources={s.name: self._source_paths(s) for s in self.sources},
+        )
+        return self._paths
+
+    def _source_paths(self, source: SourceSpec) -> SourcePaths:
+        if source.hf is None:
+            return SourcePaths(path=self.resolve(source.path) if source.path else None)
+        data_dir = source.hf.data_dir
+        return SourcePaths(
+            data_files=self._resolve_files(source.hf.data_files),
+            data_dir=self.resolve(data_dir) if isinstance(data_dir, str) else data_dir,
+        )
+
+    def _resolve_files(self, files: DataFiles) -> DataFiles:
+        if isinstance(files, str):
+            return self.resolve(files)
+        if isinstance(files, list):
+            return [self.resolve(f) for f in files]
+        if isinstance(files, dict):
+            return {k: self._resolve_files(v) for k, v in files.items()}
+        return files
 
     def regen_key(self) -> str:
         """What makes two answers interchangeable: model, api, sampling and regeneration settings."""
@@ -202,6 +265,7 @@ def parse_mix(data: Any, *, where: str = "mix", base_dir: str | None = None) -> 
     except ValidationError as err:
         raise MixError(format_validation_error(err, where)) from None
     mix.base_dir = base_dir
+    mix.resolve_paths()  # every path, once
     return mix
 
 

@@ -1,8 +1,8 @@
-"""pyarrow schemas of the files a run writes: prompt shards, output shards, quarantine.
+"""pyarrow schemas of the files a run writes: prompt shards, output shards, quarantine, the reuse map.
 
 Every file carries SCHEMA_VERSION in its metadata (key b"regen.schema_version"); readers check it.
 Output rows are typed in schemas.rows (OutputRow, Turn: fields are these columns); prompt shards
-convert to and from PromptRecords in regen_service.produce.rows.
+convert to and from PromptRecords in schemas.prompt_rows.
 """
 
 from __future__ import annotations
@@ -103,3 +103,7 @@ QUARANTINE_SCHEMA = pa.schema(
     ],
     metadata=_META,
 )
+
+# runs/<run>/reuse.parquet: this run's prompt id -> the (run, shard) already holding its answer. No
+# version metadata: written so since reuse began, and its bytes stay.
+REUSE_SCHEMA = pa.schema([("prompt_id", pa.string()), ("from_run", pa.string()), ("from_shard", pa.int32())])

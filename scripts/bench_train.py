@@ -27,19 +27,26 @@ from types import SimpleNamespace
 
 import torch
 
-from regen_service.train.checkpoint import save_checkpoint
+from regen_service.draft.checkpoint import save_checkpoint
+from regen_service.draft.config import DraftConfig
 from regen_service.train.dist import init_distributed, shutdown
-from regen_service.train.model import DraftConfig
-from regen_service.train.train import DraftTrainer
+from regen_service.train.trainer import DraftTrainer
 
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
 
 
 def train_cfg(ttt: int, lr: float = 1e-4, attention: str = "auto") -> SimpleNamespace:
+    """TrainConfig's sections DraftTrainer reads, without pydantic (a bare GPU host may lack it)."""
     return SimpleNamespace(
-        seed=0, ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, warmup_ratio=0.015,
-        min_lr_ratio=0.1, grad_clip=0.5, bf16=True, attention=attention,
+        data=SimpleNamespace(seed=0), model=SimpleNamespace(attention=attention, draft_arch="llama"),
+        optimisation=SimpleNamespace(ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                     warmup_ratio=0.015, min_lr_ratio=0.1, grad_clip=0.5, bf16=True),
     )  # fmt: skip
+
+
+def flat_cfg(cfg: SimpleNamespace) -> dict:
+    """The flat keys a checkpoint's train_config holds (TrainConfig.flat_dict's form)."""
+    return {k: v for section in vars(cfg).values() for k, v in vars(section).items()}
 
 
 def draft_shapes(h, heads, kv, inter, vocab, dvocab) -> DraftConfig:
@@ -248,7 +255,7 @@ def bench_ddp(a) -> dict:
     elapsed = time.perf_counter() - t0
     if ctx.is_main:
         state = tr.state() | {
-            "aux_layer_ids": [2, 8, 13], "target_num_layers": 16, "train_config": vars(train_cfg(a.ttt)),
+            "aux_layer_ids": [2, 8, 13], "target_num_layers": 16, "train_config": flat_cfg(train_cfg(a.ttt)),
             "consumed_shards": [], "in_progress": None,
         }  # fmt: skip
         save_checkpoint(a.out, state)

@@ -24,9 +24,10 @@ from pathlib import Path
 import redis
 import torch
 
+from regen_service.draft.checkpoint import load_latest
+from regen_service.draft.config import DraftConfig
 from regen_service.settings import Settings
 from regen_service.train.accept import accept_length
-from regen_service.train.checkpoint import load_latest
 from regen_service.train.config import TrainConfig
 from regen_service.train.fixtures import (
     greedy_rows,
@@ -35,8 +36,8 @@ from regen_service.train.fixtures import (
     random_prompts,
     register_run,
 )
-from regen_service.train.model import DraftConfig, Eagle3Draft
-from regen_service.train.runner import train_from_run
+from regen_service.train.loop import train_from_run
+from regen_service.train.model import Eagle3Draft
 from regen_service.train.target import HFTarget
 
 # what each comparison trains: label -> the TrainConfig fields that differ

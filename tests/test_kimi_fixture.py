@@ -15,7 +15,9 @@ from regen_service.kimi_fixture import build_kimi_fixture
 from regen_service.remote_code import load_tokenizer, remote_code_files
 from regen_service.train.data import ChatRenderer
 from regen_service.work.chat_template import prompt_ids
-from regen_service.work.runtime import WorkerConfig, WorkerRuntime
+from regen_service.work.client.config import PoolConfig
+from regen_service.work.runtime import WorkerRuntime
+from regen_service.work.worker_config import WorkerConfig
 from schemas.conversation import Message
 from schemas.mix import TargetSpec
 
@@ -97,14 +99,16 @@ def test_worker_runtime_loads_the_tokenizer_only_with_the_opt_in(kimi_dir, setti
         )
 
     # the mix asks, the worker allows: both are needed (a mix on the data root never grants it alone)
-    rt = WorkerRuntime(settings, WorkerConfig(endpoints=["http://127.0.0.1:9"], trust_remote_code=True))
+    rt = WorkerRuntime(
+        settings, WorkerConfig(pool=PoolConfig(endpoints=["http://127.0.0.1:9"]), trust_remote_code=True)
+    )
     try:
         with pytest.raises(ConfigError, match="trust_remote_code"):
             rt.tokenizer_for(mix(False))
         assert type(rt.tokenizer_for(mix(True))).__name__ == "TikTokenTokenizer"
     finally:
         rt.close()
-    rt = WorkerRuntime(settings, WorkerConfig(endpoints=["http://127.0.0.1:9"]))
+    rt = WorkerRuntime(settings, WorkerConfig(pool=PoolConfig(endpoints=["http://127.0.0.1:9"])))
     try:
         with pytest.raises(ConfigError, match="--trust-remote-code"):
             rt.check_mix(mix(True), "mix.json")
@@ -234,7 +238,7 @@ def test_masks_on_the_fast_demo_tokenizer_are_unchanged():
 
 
 def test_validate_draft_and_launch_take_the_kimi_folder(kimi_dir, tmp_path, monkeypatch):
-    import tests.train.test_export_validate as ev
+    import tests.draft.test_export_validate as ev
 
     tc = json.loads((kimi_dir / "config.json").read_text())["text_config"]
     monkeypatch.setattr(ev, "VOCAB", tc["vocab_size"])

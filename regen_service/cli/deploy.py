@@ -18,7 +18,7 @@ from regen_service.errors import ConfigError
 def _target(path: str | None):
     if path is None:
         return None
-    from regen_service.train.sglang_format import load_target_info
+    from regen_service.draft.sglang_format import load_target_info
 
     try:
         return load_target_info(path)
@@ -27,7 +27,7 @@ def _target(path: str | None):
 
 
 def _report_out(report, as_json: bool, extra: dict | None = None) -> None:
-    from regen_service.train.validate import format_report
+    from regen_service.draft.validate import format_report
 
     if as_json:
         click.echo(json.dumps({"ok": report.ok, **report.model_dump(), **(extra or {})}, indent=2))
@@ -69,7 +69,7 @@ _engine = click.option(
 def export_cmd(ckpt, out, target_config, dtype, engine, overwrite, keep_failed, as_json):
     """Export a trainer checkpoint (step dir, or the trainer's --out via checkpoints/latest) for SGLang or
     vLLM (--engine)."""
-    from regen_service.train.export import ExportRefused, export_checkpoint
+    from regen_service.draft.export import ExportRefused, export_checkpoint
 
     try:
         report = export_checkpoint(
@@ -95,7 +95,7 @@ def export_cmd(ckpt, out, target_config, dtype, engine, overwrite, keep_failed, 
 @_json
 def validate_draft_cmd(draft, target_config, engine, as_json):
     """Check that the engine loads DRAFT correctly for the target; exit 1 listing every problem and its fix."""
-    from regen_service.train.validate import validate_draft
+    from regen_service.draft.validate import validate_draft
 
     report = validate_draft(draft, _target(target_config), engine)
     if target_config is None:
@@ -119,8 +119,8 @@ def validate_draft_cmd(draft, target_config, engine, as_json):
 @_json
 def convert_draft_cmd(src, out, target_config, dtype, overwrite, keep_failed, as_json):
     """Convert a speculators-format EAGLE-3 draft (layers.0.*, Eagle3Speculator) to SGLang's format."""
-    from regen_service.train.convert import convert_draft
-    from regen_service.train.export import ExportRefused
+    from regen_service.draft.convert import convert_draft
+    from regen_service.draft.export import ExportRefused
 
     try:
         report, notes = convert_draft(
@@ -141,7 +141,7 @@ def _print_or_exec(build, print_only: bool) -> None:
     from pydantic import ValidationError
 
     from regen_service.deploy.launch import DraftPreflightError
-    from regen_service.train.validate import format_report
+    from regen_service.draft.validate import format_report
 
     try:
         launch = build()

@@ -24,8 +24,8 @@ def recorded_split(path: str) -> tuple[float, int] | None:
         regen = json.loads(cfg_file.read_text()).get("regen") or {}
         found = regen.get("train_config") or regen
     else:
-        from regen_service.train.checkpoint import load_checkpoint
-        from regen_service.train.export import resolve_checkpoint
+        from regen_service.draft.checkpoint import load_checkpoint
+        from regen_service.draft.export import resolve_checkpoint
 
         found = load_checkpoint(resolve_checkpoint(path) / "state.pt", mmap=True).get("train_config") or {}
     if found.get("eval_fraction") is None:

@@ -15,10 +15,12 @@ import click
 from pydantic import ValidationError
 
 from regen_service.cli.base import main
+from regen_service.cli.config_options import config_option, config_values
 from regen_service.errors import ConfigError
 from regen_service.produce.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.settings import Settings, redact_url
 from regen_service.state.ledger import check_reachable
+from regen_service.work.worker_config import WorkerConfig
 from schemas.mix import MixError
 
 _ENV_OF_FIELD = {
@@ -126,32 +128,10 @@ def read_api_key(env_var: str, key_file: str | None):
 
 
 @main.command()
-@click.option(
-    "--endpoint", "endpoints", multiple=True, required=True, help="SGLang base URL; repeat for several"
-)
-@click.option(
-    "--max-shards-in-hand",
-    "--concurrency",
-    "max_shards_in_hand",
-    type=int,
-    default=64,
-    show_default=True,
-    help="memory bound on shards held at once; the worker takes another shard whenever the prompts it "
-    "holds cannot fill its in-flight budget (--concurrency is the old name)",
-)
-@click.option(
-    "--exit-after-no-endpoint-s",
-    type=float,
-    default=None,
-    help="exit with status 3 after this long without a usable endpoint, for compose/systemd to restart "
-    "the worker [default: keep checking the endpoints with backoff]",
-)
-@click.option(
-    "--max-inflight-per-endpoint",
-    type=int,
-    default=None,
-    help="requests outstanding per endpoint [default: from the server's max_running_requests]",
-)
+@config_option(WorkerConfig, "pool.endpoints", "--endpoint", help="SGLang base URL; repeat for several")
+@config_option(WorkerConfig, "bounds.max_shards_in_hand", "--max-shards-in-hand", "--concurrency")
+@config_option(WorkerConfig, "bounds.exit_after_no_endpoint_s", "--exit-after-no-endpoint-s")
+@config_option(WorkerConfig, "pool.max_inflight_per_endpoint", "--max-inflight-per-endpoint")
 @click.option(
     "--api-key-env",
     default="REGEN_ENDPOINT_API_KEY",
@@ -164,55 +144,36 @@ def read_api_key(env_var: str, key_file: str | None):
     default=None,
     help="file holding the endpoints' API key (beats --api-key-env)",
 )
-@click.option("--no-stream", is_flag=True, help="use non-streaming requests")
-@click.option(
-    "--engine",
-    type=click.Choice(["auto", "sglang", "vllm"]),
-    default="auto",
-    show_default=True,
-    help="what serves the endpoints: detected from their info paths, or forced (behind a proxy)",
-)
-@click.option("--stall-timeout-s", type=float, default=60.0, show_default=True)
-@click.option("--request-timeout-s", type=float, default=3600.0, show_default=True,
-              help="one request attempt, end to end; 0 for no limit")  # fmt: skip
-@click.option("--max-reply-bytes", type=int, default=16 << 20, show_default=True,
-              help="a larger non-streaming reply, error body or stream line is cut (retryable)")  # fmt: skip
-@click.option("--stream-slack-events", type=int, default=256, show_default=True,
-              help="a stream is cut once it sent this many events past max_new_tokens")  # fmt: skip
-@click.option("--max-attempts", type=int, default=6, show_default=True)
-@click.option("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-@click.option("--metrics-address", default="127.0.0.1", show_default=True,
-              help="address the metrics server binds (0.0.0.0: every interface)")  # fmt: skip
-@click.option("--hostname", default=None, help="Celery node name [default: regen@<host>-<pid>]")
-@click.option("--trust-remote-code", is_flag=True,
-              help="take api: generate runs whose mix sets target.trust_remote_code and run their tokenizer's code "
-              "here; without it such a run's shards fail with the reason in `regen status` (a mix on the "
-              "data root never grants this by itself)")  # fmt: skip
-def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight_per_endpoint, api_key_env,
-           api_key_file, no_stream, engine, stall_timeout_s, request_timeout_s, max_reply_bytes,
-           stream_slack_events, max_attempts, metrics_port, metrics_address, hostname,
-           trust_remote_code) -> None:  # fmt: skip
+@config_option(WorkerConfig, "pool.stream", "--no-stream", help="use non-streaming requests")
+@config_option(WorkerConfig, "pool.engine", "--engine")
+@config_option(WorkerConfig, "pool.stall_timeout_s", "--stall-timeout-s")
+@config_option(WorkerConfig, "pool.request_timeout_s", "--request-timeout-s",
+               help="one request attempt, end to end; 0 for no limit")  # fmt: skip
+@config_option(WorkerConfig, "pool.max_reply_bytes", "--max-reply-bytes")
+@config_option(WorkerConfig, "pool.stream_slack_events", "--stream-slack-events")
+@config_option(WorkerConfig, "pool.max_attempts", "--max-attempts")
+@config_option(WorkerConfig, "metrics_port", "--metrics-port")
+@config_option(WorkerConfig, "metrics_address", "--metrics-address")
+@config_option(WorkerConfig, "hostname", "--hostname")
+@config_option(WorkerConfig, "trust_remote_code", "--trust-remote-code")
+def worker(api_key_env, api_key_file, **options) -> None:
     """Run a Celery worker that answers shards against the given SGLang or vLLM endpoints."""
     import socket
 
-    from regen_service.work.runtime import WorkerConfig
     from regen_service.work.worker_app import WorkerApp
 
     settings = _settings()
     _setup_logging(settings)
-    node = hostname or f"regen@{socket.gethostname()}-{os.getpid()}"
+    values = config_values(options)
+    values["hostname"] = values["hostname"] or f"regen@{socket.gethostname()}-{os.getpid()}"
+    values["pool"]["request_timeout_s"] = values["pool"]["request_timeout_s"] or None  # 0: no limit
+    values["pool"]["api_key"] = read_api_key(api_key_env, api_key_file)
     try:
-        config = WorkerConfig(
-            endpoints=list(endpoints), max_shards_in_hand=max_shards_in_hand,
-            exit_after_no_endpoint_s=exit_after_no_endpoint_s,
-            api_key=read_api_key(api_key_env, api_key_file), max_inflight_per_endpoint=max_inflight_per_endpoint,
-            stream=not no_stream, engine=engine, stall_timeout_s=stall_timeout_s, max_attempts=max_attempts,
-            request_timeout_s=request_timeout_s or None, max_reply_bytes=max_reply_bytes,
-            stream_slack_events=stream_slack_events,
-            metrics_port=metrics_port, hostname=node, trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+        config = WorkerConfig.model_validate(values)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    node, endpoints = config.hostname, config.pool.endpoints
+    metrics_port, metrics_address = config.metrics_port, config.metrics_address
     check_reachable(settings)
     if metrics_port:
         from prometheus_client import start_http_server
@@ -231,7 +192,7 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     worker_app = WorkerApp(settings, config)
     try:
         worker_app.app.worker_main(
-            ["worker", "--pool=threads", f"--concurrency={max_shards_in_hand}", "--prefetch-multiplier=1",
+            ["worker", "--pool=threads", f"--concurrency={config.bounds.max_shards_in_hand}", "--prefetch-multiplier=1",
              "-Q", settings.queue_name, "-E", "--without-gossip", "--without-mingle", "-n", node,
              f"--loglevel={settings.log_level}"]
         )  # fmt: skip
@@ -325,7 +286,7 @@ def flower(
 @click.option("--timeout-s", type=float, default=300.0, show_default=True)
 def demo(mix_path: str | None, timeout_s: float) -> None:
     """Run the whole pipeline locally: simulator, one worker, the bundled mix, on the Redis already running."""
-    from regen_service.demo import run_demo
+    from regen_service.cli.demo import run_demo
 
     try:
         code = run_demo(_settings(), mix_path=mix_path, timeout_s=timeout_s)

@@ -80,7 +80,7 @@ def train_cmd(
     from regen_service.errors import ConfigError, RegenError
     from regen_service.settings import Settings
     from regen_service.train.config import TrainConfig
-    from regen_service.train.runner import train_from_run
+    from regen_service.train.loop import train_from_run
 
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from regen_service.draft import mla_format as mla
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.report import DraftReport
+from regen_service.draft.validate import validate_draft
 from regen_service.errors import ConfigError
-from regen_service.train import mla_format as mla
-from regen_service.train import sglang_format as fmt
-from regen_service.train.validate import DraftReport, validate_draft
 from regen_service.work.client.auth import load_api_key
 
 API_KEY_ENV = "REGEN_ENDPOINT_API_KEY"

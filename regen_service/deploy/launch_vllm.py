@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 import regen_service
 from regen_service.deploy.launch import DraftPreflightError, Launch
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.validate import validate_draft
 from regen_service.errors import ConfigError
-from regen_service.train import sglang_format as fmt
-from regen_service.train.validate import validate_draft
 
 CONNECTOR = "RegenHiddenStatesConnector"
 CONNECTOR_MODULE = "regen_service.train.vllm_connector"
@@ -70,7 +70,7 @@ def _target_info(target: Path) -> fmt.TargetInfo:
 
 def hidden_state_layers(target: fmt.TargetInfo, aux_layer_ids: list[int] | None) -> list[int]:
     """What the engine captures for the trainer: the aux layer inputs, then the last layer's output."""
-    from regen_service.train.target import checked_aux_layer_ids
+    from regen_service.draft.aux_layers import checked_aux_layer_ids
 
     return [*checked_aux_layer_ids(aux_layer_ids, target.num_layers), target.num_layers]
 

@@ -3,6 +3,6 @@
 sources/ reads each dataset format and normalizes a row into a PromptRecord (or a quarantine reason);
 prepare.py samples, dedups and shards them into prompt shards with a manifest written last; reuse.py maps
 prompts already answered under the same data root; producer.py (`regen enqueue`) names the run,
-registers it in the ledger and sends the tasks; data_report.py says what each source kept. rows.py is
-the prompt shard's table codec. What happens to a shard after it is queued is regen_service.work's.
+registers it in the ledger and sends the tasks; data_report.py says what each source kept. The prompt
+shard's table codec is schemas.prompt_rows (the worker reads it too). What happens to a shard after it is queued is regen_service.work's.
 """

@@ -22,11 +22,11 @@ import pyarrow as pa
 
 from regen_service.errors import ConfigError
 from regen_service.produce.reuse import plan_reuse
-from regen_service.produce.rows import prompt_row
 from regen_service.produce.sources import BadRow, Fields, RowError, normalize, prompt_id_of, read_rows
 from regen_service.produce.sources.reader import hf_kwargs
 from regen_service.state.storage import RunLayout, Storage
 from schemas.mix import MixSpec, SourceSpec
+from schemas.prompt_rows import prompt_row
 from schemas.records import RunManifest, ShardInfo, SourceStats
 from schemas.tables import PROMPT_SCHEMA, QUARANTINE_SCHEMA
 
@@ -51,7 +51,7 @@ def _file_fingerprint(path: str) -> dict:
 
 def _local_files(mix: MixSpec, source: SourceSpec) -> list[str]:
     if source.path is not None:
-        return [mix.resolve(source.path)]
+        return [mix.paths.of(source).path]
     files = hf_kwargs(mix, source).get("data_files")
     if isinstance(files, dict):
         files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]

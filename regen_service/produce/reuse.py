@@ -2,7 +2,8 @@
 and regeneration settings (the mix's regen_key), is copied instead of asked again.
 
 At enqueue the producer writes runs/<run_id>/reuse.parquet mapping this run's prompt ids to the
-(run, shard) that already holds an answer; the shard runner copies those rows, marked `reused_from`.
+(run, shard) that already holds an answer; the shard runner copies those rows, marked `reused_from`
+(regen_service.state.reuse_map reads the map back).
 Rows that ended in an error are never reused. `regen enqueue --no-reuse` skips all of this.
 """
 
@@ -14,9 +15,7 @@ import pyarrow.compute as pc
 from regen_service.state.runinfo import done_shards_in_storage, load_manifest
 from regen_service.state.storage import RunLayout, Storage
 from schemas.records import RunManifest
-from schemas.rows import OutputRow, output_rows
-
-REUSE_SCHEMA = pa.schema([("prompt_id", pa.string()), ("from_run", pa.string()), ("from_shard", pa.int32())])
+from schemas.tables import REUSE_SCHEMA
 
 
 def answered_elsewhere(storage: Storage, manifest: RunManifest) -> dict[str, tuple[str, int]]:
@@ -51,23 +50,3 @@ def plan_reuse(storage: Storage, manifest: RunManifest) -> int:
             ]
     storage.write_table_atomic(layout.reuse_path, pa.Table.from_pylist(rows, schema=REUSE_SCHEMA))
     return len(rows)
-
-
-def reused_rows(layout: RunLayout, prompt_ids: set[str]) -> dict[str, OutputRow]:
-    """Rows to copy for this shard's prompts, keyed by prompt id, marked with the run they came from."""
-    storage = layout.storage
-    path = layout.reuse_path
-    if not prompt_ids or not storage.exists(path):
-        return {}
-    plan = [r for r in storage.read_table(path).to_pylist() if r["prompt_id"] in prompt_ids]
-    by_source: dict[tuple[str, int], set[str]] = {}
-    for r in plan:
-        by_source.setdefault((r["from_run"], r["from_shard"]), set()).add(r["prompt_id"])
-    out: dict[str, OutputRow] = {}
-    for (run, sid), wanted in by_source.items():
-        table = storage.read_table(RunLayout(storage, run).output_shard(sid))
-        for row in output_rows(table.filter(pc.is_in(table["prompt_id"], pa.array(sorted(wanted))))):
-            row.run_id = layout.run_id
-            row.reused_from = run
-            out[row.prompt_id] = row
-    return out

@@ -20,8 +20,8 @@ from regen_service.sim.answers import Answer, answer_key, build_answer, think_mo
 from regen_service.sim.capacity import Job, QueueFull, Scheduler
 from regen_service.sim.config import SimConfig
 from regen_service.sim.faults import NO_FAULT, FaultDecider, FaultPlan
+from regen_service.sim.hf import load_tokenizer
 from regen_service.sim.stats import Stats
-from regen_service.sim.tokenize import load_tokenizer
 
 
 class BadRequest(Exception):

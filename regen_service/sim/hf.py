@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from regen_service.errors import ConfigError
-from regen_service.sim.tokenize import IM_END, WORDS, word_weights
+from regen_service.sim.tokenize import IM_END, WORDS, SyntheticTokenizer, Tokenizer, word_weights
 
 # transformers' clean_up_tokenization, applied when the tokenizer config asks for it
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -128,3 +128,10 @@ class HFTokenizer:
             )  # fmt: skip
             text = rendered[0]
         return text, self.count(text)
+
+
+def load_tokenizer(path: str | None, *, trust_remote_code: bool = False) -> Tokenizer:
+    """The synthetic vocabulary, or the local Hugging Face tokenizer at `path` (HFTokenizer)."""
+    if not path:
+        return SyntheticTokenizer()
+    return HFTokenizer(path, trust_remote_code=trust_remote_code)

@@ -147,15 +147,6 @@ class SyntheticTokenizer:
         return text, self.count(text)
 
 
-def load_tokenizer(path: str | None, *, trust_remote_code: bool = False) -> Tokenizer:
-    """The synthetic vocabulary, or the local Hugging Face tokenizer at `path` (see hf.py)."""
-    if not path:
-        return SyntheticTokenizer()
-    from regen_service.sim.hf import HFTokenizer
-
-    return HFTokenizer(path, trust_remote_code=trust_remote_code)
-
-
 def word_weights() -> list[int]:
     """Cumulative weights over WORDS for rng.choices."""
     return _CUM_WEIGHTS

@@ -20,11 +20,11 @@ log = logging.getLogger(__name__)
 
 def resolved_mix_dict(mix: MixSpec) -> dict:
     data = mix.model_dump(mode="json")
-    if mix.target.tokenizer:
-        data["target"]["tokenizer"] = mix.resolve(mix.target.tokenizer)
+    if mix.paths.tokenizer:
+        data["target"]["tokenizer"] = mix.paths.tokenizer
     for src, spec in zip(data["sources"], mix.sources, strict=False):
         if spec.path:
-            src["path"] = mix.resolve(spec.path)
+            src["path"] = mix.paths.of(spec).path
     return data
 
 

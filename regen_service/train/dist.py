@@ -2,7 +2,7 @@
 
 One process per GPU under `torchrun --nproc_per_node N`; NCCL on GPUs, gloo on the CPU. Without
 torchrun's environment this is a single process and every helper is a no-op. Deciding what each
-rank trains is train.py's (rank 0 reads the stream and broadcasts shard references).
+rank trains is trainer.py's (rank 0 reads the stream and broadcasts shard references).
 Imports torch only.
 """
 

@@ -10,7 +10,7 @@ token ids to `/v1/completions` (one token generated), waits on the flock of the 
 through the target's own final norm and lm_head (the only target weights loaded here, with the
 embedding the draft shares) to the target's prediction per position. The files must be on a filesystem
 this process reads (the engine's host; /dev/shm is fastest); each is deleted once read. Which shards to
-train on, and the training itself, are the runner's.
+train on, and the training itself, are the loop's (loop.py).
 """
 
 from __future__ import annotations

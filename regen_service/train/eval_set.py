@@ -27,7 +27,7 @@ NO_SOURCE = "(none)"  # rows written without a source field
 
 
 def split_of(cfg) -> HeldOutSplit:
-    return HeldOutSplit(fraction=cfg.eval_fraction, seed=cfg.eval_seed)
+    return HeldOutSplit(fraction=cfg.evaluation.eval_fraction, seed=cfg.evaluation.eval_seed)
 
 
 def split_table(table: pa.Table, split: HeldOutSplit) -> tuple[pa.Table, dict[str, pa.Table], dict]:
@@ -61,7 +61,7 @@ class EvalSet:
 
     def __init__(self, cfg):
         self.split = split_of(cfg)
-        self.max_samples, self.max_length = cfg.eval_max_samples, cfg.eval_max_length
+        self.max_samples, self.max_length = cfg.evaluation.eval_max_samples, cfg.evaluation.eval_max_length
         self.samples: list[EvalSample] = []
         self.trained_sources: dict[str, int] = {}  # prompts trained per source
         self.held_sources: dict[str, int] = {}  # held-out prompts seen per source (kept or not)

@@ -20,7 +20,7 @@ Counts are summed over the eval set before any ratio (as SpecForge's evaluator d
 not depend on the batch size) and, under torchrun, over ranks: every rank scores its stride share of
 the same eval set and the count table is all-reduced (one collective of a fixed shape). The target's
 mean next-token entropy over the draft vocabulary is reported too (a flat target teaches soft targets
-nothing). Deciding when to evaluate and what to do with the result is runner.py's.
+nothing). Deciding when to evaluate and what to do with the result is loop.py's.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _fields(k: int) -> int:
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, target, samples: list[EvalSample], cfg, ctx: DistContext) -> dict:
     """Score the draft on `samples` (the same list on every rank). Returns the results table (results())."""
-    k = cfg.ttt_length
+    k = cfg.optimisation.ttt_length
     sources = sorted({s.source for s in samples})
     acc = torch.zeros(len(sources), _fields(k), dtype=torch.float64)
     index = {s: i for i, s in enumerate(sources)}
@@ -92,14 +92,16 @@ def evaluate(draft: Eagle3Draft, target, samples: list[EvalSample], cfg, ctx: Di
     mine = samples[ctx.rank :: ctx.world]
     was_training = draft.training
     draft.eval()
-    for b in range(0, len(mine), cfg.batch_size):
-        chunk = mine[b : b + cfg.batch_size]
+    for b in range(0, len(mine), cfg.data.batch_size):
+        chunk = mine[b : b + cfg.data.batch_size]
         batch = collate(chunk)
         aux, tgt, logits = target.states(batch["input_ids"], batch["attention_mask"], draft_ids)
         dev = draft.fc.weight.device
         ids, mask, tgt = batch["input_ids"].to(dev), batch["loss_mask"].to(dev), tgt.to(dev)
         probs = torch.softmax(logits.to(dev).float(), -1)
-        st = chain_stats(draft, aux.to(dev), ids, tgt, mask, k, probs if cfg.target == "soft" else None)
+        st = chain_stats(
+            draft, aux.to(dev), ids, tgt, mask, k, probs if cfg.optimisation.target == "soft" else None
+        )
         rows = []
         for j in range(k):
             chain = st["answer"][: j + 1].all(0)  # the k = j+1 chain lies inside the answer
@@ -124,8 +126,8 @@ def evaluate(draft: Eagle3Draft, target, samples: list[EvalSample], cfg, ctx: Di
         t = acc.to(ctx.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         acc = t.cpu()
-    out = results(acc.sum(0), k, cfg.ttt_decay, n_draft)
-    out["sources"] = {s: results(acc[i], k, cfg.ttt_decay, n_draft) for s, i in index.items()}
+    out = results(acc.sum(0), k, cfg.optimisation.ttt_decay, n_draft)
+    out["sources"] = {s: results(acc[i], k, cfg.optimisation.ttt_decay, n_draft) for s, i in index.items()}
     return out
 
 

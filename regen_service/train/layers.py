@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from regen_service.draft.config import DraftConfig
 from regen_service.train import flexattn
 from regen_service.train.rope import apply_rope
-
-if TYPE_CHECKING:
-    from regen_service.train.model import DraftConfig
 
 
 class RMSNorm(nn.Module):

@@ -15,16 +15,12 @@ times YaRN's mscale(factor, mscale_all_dim)^2. Parameter names are SGLang's chec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from regen_service.draft.config import DraftConfig
 from regen_service.train.layers import RMSNorm, attend, fused_on
 from regen_service.train.rope import apply_rope, mla_softmax_scale
-
-if TYPE_CHECKING:
-    from regen_service.train.model import DraftConfig
 
 
 def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:

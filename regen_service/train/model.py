@@ -14,54 +14,15 @@ vocab.py. Imports torch only (the GPU benchmark runs it without pydantic).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Literal
-
 import torch
 from torch import nn
 
+from regen_service.draft.config import DraftConfig
 from regen_service.train.layers import MLP, Attention, RMSNorm
 from regen_service.train.mla_attention import MLAAttention
 from regen_service.train.rope import RotaryTable
 
 EXCLUDED_KEYS = ("embed_tokens.weight",)
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    vocab_size: int  # the target's vocabulary (embedding rows, t2d length)
-    draft_vocab_size: int
-    target_hidden_size: int
-    rope_scaling: dict | None = (
-        None  # the target's (YaRN for Kimi-K2.5): the engine applies it from config.json
-    )
-    draft_arch: Literal["llama", "mla"] = "llama"
-    # MLA attention dims (draft_arch "mla"; the target's for an MLA target, Kimi-K2.5: 1536, 512, 128, 64, 128)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.qk_rope_head_dim if self.draft_arch == "mla" else self.head_dim
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DraftConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class MidLayer(nn.Module):

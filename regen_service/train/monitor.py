@@ -1,6 +1,6 @@
 """The trainer's watch over its draft: held-out evaluation on schedule, the best checkpoint, trackers, progress.
 
-runner.py calls it at a few points (a shard about to be trained, every step, every log record, every
+loop.py calls it at a few points (a shard about to be trained, every step, every log record, every
 checkpoint, the end); it owns the eval set (eval_set.py), runs evaluate.py every `eval_every_steps`
 and at the end (on every rank together: the evaluation all-reduces its counts), keeps the best result
 by accept length at `eval_accept_k` draft tokens and asks for a checkpoint at that step (marked
@@ -15,8 +15,8 @@ import logging
 import time
 from pathlib import Path
 
+from regen_service.draft.checkpoint import mark_best, step_dir_name
 from regen_service.train import evaluate as E
-from regen_service.train.checkpoint import mark_best, step_dir_name
 from regen_service.train.eval_set import EvalSet
 from regen_service.train.progress import Progress, not_learning, warn_not_learning
 from regen_service.train.tracking import Trackers, eval_scalars
@@ -32,7 +32,7 @@ def batch_samples(n: int, batch_size: int, world: int, b: int) -> int:
 class Monitor:
     def __init__(self, run, ckpt: dict | None, num_shards: int | None):
         self.run, self.cfg, self.ctx = run, run.cfg, run.ctx
-        self.k = min(self.cfg.eval_accept_k, self.cfg.ttt_length)
+        self.k = min(self.cfg.evaluation.eval_accept_k, self.cfg.optimisation.ttt_length)
         self.evalset = EvalSet(self.cfg)
         saved = (ckpt or {}).get("eval") or {}
         self.evalset.load(saved.get("set"), str(run.out), ckpt is not None)
@@ -44,7 +44,7 @@ class Monitor:
         total = run.trainer.sched.lr_lambdas[0].total
         self.warmup = run.trainer.sched.lr_lambdas[0].warmup
         self.trackers = Trackers(
-            self.cfg.report_to, run.out, f"{run.run_id}-{run.out.name}", self.cfg.model_dump(mode="json"),
+            self.cfg.tracking.report_to, run.out, f"{run.run_id}-{run.out.name}", self.cfg.flat_dict(),
             enabled=self.ctx.is_main,
         )  # fmt: skip
         self.progress = Progress(total, num_shards, run.follow) if self.ctx.is_main else None
@@ -60,8 +60,8 @@ class Monitor:
     def stepped(self, n_examples: int, b: int) -> bool:
         """After a training step: count its samples, evaluate when due. True when this step is a new best
         (the caller checkpoints it)."""
-        self.samples += batch_samples(n_examples, self.cfg.batch_size, self.ctx.world, b)
-        every = self.cfg.eval_every_steps
+        self.samples += batch_samples(n_examples, self.cfg.data.batch_size, self.ctx.world, b)
+        every = self.cfg.evaluation.eval_every_steps
         return bool(every and self.run.trainer.step % every == 0 and self.evaluate())
 
     # --- evaluation ---------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class Monitor:
         if not self.evalset.samples:
             if self.ctx.is_main and not self._empty_noted:
                 log.warning("held-out eval at step %d skipped: no held-out sample yet (eval_fraction %s)",
-                            step, self.cfg.eval_fraction)  # fmt: skip
+                            step, self.cfg.evaluation.eval_fraction)  # fmt: skip
                 self._empty_noted = True
             return False
         t0 = time.monotonic()

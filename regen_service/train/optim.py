@@ -4,7 +4,7 @@
 the bf16 gradients onto the copies (fp32) before clipping and the AdamW step, `to_params()` writes
 the updated copies back in bf16. fp32 parameters (the CPU) are their own masters: nothing is copied.
 Frozen parameters (the target's embedding) get no copy at all. The optimizer and its schedule are
-train.py's. Imports torch only.
+trainer.py's. Imports torch only.
 """
 
 from __future__ import annotations

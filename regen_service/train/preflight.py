@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from regen_service.draft.aux_layers import checked_aux_layer_ids
 from regen_service.errors import ConfigError
 from regen_service.train.config import TrainConfig
-from regen_service.train.target import checked_aux_layer_ids
 
 
 def target_text_config(target_path: str | Path) -> dict:
@@ -35,21 +35,21 @@ def check_train_config(cfg: TrainConfig, target_path: str | Path) -> dict:
     tc = target_text_config(target_path)
     problems = []
     vocab = tc.get("vocab_size")
-    if vocab is not None and cfg.draft_vocab_size > vocab:
-        problems.append(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary "
+    if vocab is not None and cfg.model.draft_vocab_size > vocab:
+        problems.append(f"draft_vocab_size {cfg.model.draft_vocab_size} is larger than the target's vocabulary "
                         f"({vocab}); set draft_vocab_size <= {vocab}")  # fmt: skip
     num_layers = tc.get("num_hidden_layers")
     if num_layers is not None:
         try:
-            checked_aux_layer_ids(cfg.aux_layer_ids, num_layers)
+            checked_aux_layer_ids(cfg.target_states.aux_layer_ids, num_layers)
         except ConfigError as e:
             problems.append(str(e))
     max_pos = tc.get("max_position_embeddings")
-    if max_pos is not None and cfg.max_length > max_pos:
-        problems.append(f"max_length {cfg.max_length} is longer than the target's max_position_embeddings "
+    if max_pos is not None and cfg.data.max_length > max_pos:
+        problems.append(f"max_length {cfg.data.max_length} is longer than the target's max_position_embeddings "
                         f"({max_pos}); set max_length <= {max_pos}")  # fmt: skip
-    heads = cfg.num_attention_heads or tc.get("num_attention_heads")
-    kv_heads = cfg.num_key_value_heads or tc.get("num_key_value_heads") or heads
+    heads = cfg.model.num_attention_heads or tc.get("num_attention_heads")
+    kv_heads = cfg.model.num_key_value_heads or tc.get("num_key_value_heads") or heads
     hidden = tc.get("hidden_size")
     if heads and hidden and hidden % heads:
         problems.append(f"num_attention_heads {heads} does not divide the target's hidden_size {hidden}")

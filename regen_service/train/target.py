@@ -15,32 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from regen_service.draft.aux_layers import checked_aux_layer_ids
 from regen_service.errors import ConfigError
-from regen_service.train import sglang_format as fmt
 
 
 def text_config(config):
     return getattr(config, "text_config", None) or config
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return fmt.default_aux_inputs(num_layers)
-
-
-def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
-    """The layer inputs to capture (the default when None); refused unless three distinct, increasing
-    inputs of the target's layers, so a draft trained here can be served with the same tensors."""
-    if num_layers < 4:
-        raise ConfigError(
-            f"the target has {num_layers} layers; EAGLE-3 needs three distinct aux layers (>= 4)"
-        )
-    ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(num_layers)
-    problem = fmt.aux_input_problem(ids, num_layers)
-    if problem is not None:
-        raise ConfigError(
-            f"aux_layer_ids: {problem[1]}; set three distinct increasing ids in 1..{num_layers - 1}"
-        )
-    return ids
 
 
 HEAD_CHUNK_ELEMS = 1 << 26  # logits elements per position chunk (the full-vocab argmax)

@@ -6,7 +6,7 @@ TensorBoard's `torch.utils.tensorboard.SummaryWriter` (event files in OUT/tb; th
 package, in regen's train and dev extras), `wandb.init(...).log(..., step=)` (extra `regen[wandb]`),
 `mlflow.start_run()` + `log_metrics(..., step=)` (extra `regen[mlflow]`). A tracker whose package is not
 installed is one warning line saying what to install; training carries on with the others. Only rank 0
-tracks. What the scalars are (names `train/...`, `eval/...`, `eval/source/<name>/...`) is runner.py's.
+tracks. What the scalars are (names `train/...`, `eval/...`, `eval/source/<name>/...`) is loop.py's.
 """
 
 from __future__ import annotations

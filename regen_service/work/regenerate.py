@@ -27,13 +27,13 @@ import asyncio
 import time
 
 from regen_service.errors import ConfigError, RetriesExhaustedError, RowTerminalError
-from regen_service.produce.rows import tools_to_json
 from regen_service.work.chat_template import loss_mask_for, parse_tool_calls, prompt_ids, split_thinking
 from regen_service.work.client.auth import scrub_secrets
 from regen_service.work.client.http import Completion
 from regen_service.work.client.pool import EndpointPool
 from schemas.conversation import Message, PromptRecord
 from schemas.mix import MixSpec
+from schemas.prompt_rows import tools_to_json
 from schemas.rows import OutputRow, Turn
 
 

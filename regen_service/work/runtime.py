@@ -16,18 +16,15 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from regen_service.errors import ConfigError, EndpointTerminalError, NoUsableEndpointError
 from regen_service.loops import new_event_loop
 from regen_service.remote_code import load_tokenizer
 from regen_service.settings import Settings
-from regen_service.work.client.config import PoolConfig
 from regen_service.work.client.pool import EndpointPool
 from regen_service.work.intake import Intake
 from regen_service.work.regenerate import Regenerator
+from regen_service.work.worker_config import WorkerConfig
 from schemas.mix import MixSpec
 
 log = logging.getLogger(__name__)
@@ -66,58 +63,6 @@ class InflightBudget:
         self._grow()
 
 
-class WorkerConfig(BaseModel):
-    """What `regen worker` was started with; validated once, then passed down."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    endpoints: list[str] = Field(min_length=1)
-    max_shards_in_hand: int = Field(
-        default=64, ge=1, description="memory bound: shards held at once (Celery threads)"
-    )
-    max_prompts_in_hand: int = Field(
-        default=50_000, ge=1, description="memory bound: no further shard while this many prompts wait"
-    )
-    exit_after_no_endpoint_s: float | None = Field(
-        default=None, gt=0, description="exit non-zero after this long without a usable endpoint"
-    )
-    endpoint_retry_max_s: float = Field(
-        default=30.0, gt=0, description="longest wait between checks of endpoints that failed their start"
-    )
-    api_key: SecretStr | None = None
-    max_inflight_per_endpoint: int | None = Field(default=None, ge=1)
-    stream: bool = True
-    engine: Literal["auto", "sglang", "vllm"] = "auto"
-    stall_timeout_s: float = Field(default=60.0, gt=0)
-    request_timeout_s: float | None = Field(default=3600.0, gt=0)
-    max_reply_bytes: int = Field(default=16 << 20, ge=1024)
-    stream_slack_events: int = Field(default=256, ge=1)
-    max_attempts: int = Field(default=6, ge=1)
-    flush_rows: int = Field(default=64, ge=1)
-    flush_interval_s: float = Field(default=1.0, gt=0)
-    metrics_port: int | None = None
-    hostname: str | None = None
-    trust_remote_code: bool = Field(
-        default=False,
-        description="run code from a tokenizer folder whose run's mix asks for it (`regen worker "
-        "--trust-remote-code`); the mix alone never turns it on: whoever writes the data root writes it",
-    )
-
-    def pool_config(self) -> PoolConfig:
-        return PoolConfig(
-            endpoints=self.endpoints,
-            api_key=self.api_key,
-            max_inflight_per_endpoint=self.max_inflight_per_endpoint,
-            stream=self.stream,
-            engine=self.engine,
-            stall_timeout_s=self.stall_timeout_s,
-            request_timeout_s=self.request_timeout_s,
-            max_reply_bytes=self.max_reply_bytes,
-            stream_slack_events=self.stream_slack_events,
-            max_attempts=self.max_attempts,
-        )
-
-
 class WorkerRuntime:
     def __init__(self, settings: Settings, config: WorkerConfig):
         self.settings = settings
@@ -129,7 +74,9 @@ class WorkerRuntime:
         self._tokenizers: dict[tuple[str, bool], object] = {}
         self._budgets: dict[str, InflightBudget] = {}
         self._lock = threading.Lock()
-        self.intake = Intake(config.max_shards_in_hand, config.max_prompts_in_hand, self.inflight_target)
+        self.intake = Intake(
+            config.bounds.max_shards_in_hand, config.bounds.max_prompts_in_hand, self.inflight_target
+        )
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -145,7 +92,7 @@ class WorkerRuntime:
     def pool_for(self, model: str) -> tuple[EndpointPool, InflightBudget]:
         with self._lock:
             if model not in self._pools:
-                pool = EndpointPool(self.config.pool_config(), target_model=model)
+                pool = EndpointPool(self.config.pool, target_model=model)
                 try:
                     self.call(pool.start())  # nothing is registered when no endpoint can serve
                 except EndpointTerminalError as exc:
@@ -200,7 +147,7 @@ class WorkerRuntime:
         """Requests this worker keeps outstanding over all its pools (before any pool: one shard's worth)."""
         pools = list(self._pools.values())
         if not pools:
-            return self.config.max_inflight_per_endpoint or 1
+            return self.config.pool.max_inflight_per_endpoint or 1
         return sum(p.inflight_target for p in pools)
 
     def snapshot(self) -> dict:

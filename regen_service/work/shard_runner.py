@@ -2,15 +2,14 @@
 
 The steps: skip a shard whose output already exists; take the shard's lease (another live holder means
 "not now": the caller retries later); load the rows earlier holders made durable and ask only for the
-rest; keep the lease alive with a heartbeat (losing it stops the work before anything final is written);
-append each answered row to the shard log as it finishes; write the final shard atomically in prompt
-order; mark it done in the ledger, which appends the shard_done event once. Talking to endpoints is the
-Regenerator's job; the queue plumbing is regen_service.work.worker_app's.
+rest, in a ShardSession (shard_session.py: a heartbeat keeps the lease alive and losing it stops the work
+before anything final is written; each answered row goes to the shard log as it finishes); write the
+final shard atomically in prompt order; mark it done in the ledger, which appends the shard_done event
+once. Talking to endpoints is the Regenerator's job; the queue plumbing is regen_service.work.worker_app's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -20,24 +19,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from regen_service.errors import EndpointTerminalError, LeaseLostError
-from regen_service.produce.reuse import reused_rows
-from regen_service.produce.rows import prompts_from_table
 from regen_service.state.ledger import Ledger
-from regen_service.state.progress import (
-    Progress,
-    announce_done,
-    mark_done_from_file,
-    record_progress,
-    take_report,
-    write_report,
-)
+from regen_service.state.progress import Progress, announce_done, mark_done_from_file, record_progress
+from regen_service.state.reuse_map import reused_rows
 from regen_service.state.runinfo import load_run_mix
 from regen_service.state.shard_log import ShardLog
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.work.client.auth import scrub_secrets
 from regen_service.work.metrics import SHARDS_FINISHED, SHARDS_IN_PROGRESS, count_row
 from regen_service.work.runtime import WorkerRuntime
-from schemas.conversation import PromptRecord
+from regen_service.work.shard_session import ShardSession
+from schemas.prompt_rows import prompts_from_table
 from schemas.rows import OutputRow, output_rows, output_table
 
 log = logging.getLogger(__name__)
@@ -103,8 +95,8 @@ def process_shard(
             layout,
             shard_id,
             owner,
-            flush_rows=runtime.config.flush_rows,
-            flush_interval_s=runtime.config.flush_interval_s,
+            flush_rows=runtime.config.shard_log.flush_rows,
+            flush_interval_s=runtime.config.shard_log.flush_interval_s,
         )
         prog = Progress(rows={})
         if redo_errors and storage.exists(layout.output_shard(shard_id)):
@@ -121,17 +113,14 @@ def process_shard(
             count_row(row)
         todo = [r for r in records if r.prompt_id not in prog.rows]
         # Endpoints first: a worker that cannot serve hands the shard back without marking it running.
-        regenerator, sem = runtime.regenerator_for(mix)
+        regenerator, budget = runtime.regenerator_for(mix)
         ledger.set_shard_state(run_id, shard_id, "running")
         record_progress(ledger, run_id, shard_id, prog)
         num_skipped = len(prog.rows)
         runtime.intake.shard_started(len(todo))
-        num_answered = [0]
+        session = ShardSession(runtime, ledger, run_id, shard_id, owner, prog, shard_log, regenerator, budget)
         try:
-            runtime.call(
-                _answer_all(runtime, ledger, run_id, shard_id, owner, todo, prog, shard_log, regenerator, sem,
-                            num_answered)
-            )  # fmt: skip
+            runtime.call(session.answer_all(todo))
         except EndpointTerminalError:
             # Every endpoint stopped mid-shard (bad key, wrong model): keep the rows answered so far,
             # leave the shard unfinished and queued; the task hands it back.
@@ -140,7 +129,7 @@ def process_shard(
             ledger.set_shard_state(run_id, shard_id, "queued")
             raise
         finally:
-            runtime.intake.shard_finished(len(todo) - num_answered[0])
+            runtime.intake.shard_finished(len(todo) - session.num_answered)
         shard_log.close()
         ordered = [prog.rows[r.prompt_id] for r in records if r.prompt_id in prog.rows]
         if len(ordered) != len(records):  # pragma: no cover - every prompt yields a row, error or not
@@ -172,63 +161,3 @@ def _should_redo(row: OutputRow, redo_errors: str) -> bool:
     if not row.error:
         return False
     return redo_errors == "all" or row.error_class == "retries_exhausted"
-
-
-async def _answer_all(
-    runtime, ledger, run_id, shard_id, owner, todo: list[PromptRecord], prog, shard_log, regenerator, sem,
-    num_answered: list[int],
-):  # fmt: skip
-    settings = runtime.settings
-    lost = asyncio.Event()
-
-    async def heartbeat():
-        while True:
-            await asyncio.sleep(settings.heartbeat_s)
-            ok = await asyncio.to_thread(ledger.extend_lease, run_id, shard_id, owner)
-            if not ok:
-                lost.set()
-                return
-            report = take_report(prog)  # here, on the loop that mutates prog
-            await asyncio.to_thread(write_report, ledger, run_id, shard_id, report)
-
-    async def one(record: PromptRecord):
-        if record.input_ids is not None:
-            row = await regenerator.regenerate(record)
-        else:
-            async with sem:
-                if lost.is_set():
-                    return
-                row = await regenerator.regenerate(record)
-        if lost.is_set():
-            return
-        row.run_id = run_id
-        shard_log.append(row)
-        prog.add(row, new=True)
-        count_row(row)
-        num_answered[0] += 1
-        runtime.intake.prompt_answered()  # may let the worker take its next shard
-
-    hb = asyncio.create_task(heartbeat())
-    try:
-        tasks = [asyncio.create_task(one(r)) for r in todo]
-        waiter = asyncio.gather(*tasks)
-        lost_wait = asyncio.create_task(lost.wait())
-        _done, _ = await asyncio.wait({waiter, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if waiter.done() and waiter.exception() is not None:
-            # One prompt raised (EndpointTerminalError): stop the others before the shard is handed back.
-            lost_wait.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise waiter.exception()
-        if lost.is_set():
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise LeaseLostError(
-                f"lease on {run_id}/{shard_id} expired or was taken over; stopping without finalizing"
-            )
-        lost_wait.cancel()
-        waiter.result()
-    finally:
-        hb.cancel()

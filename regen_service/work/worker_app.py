@@ -39,8 +39,9 @@ from regen_service.state.queue import PROCESS_SHARD, make_celery, shard_task_nam
 from regen_service.state.runinfo import check_shard_of_run
 from regen_service.state.storage import RunLayout, Storage, check_run_id
 from regen_service.work.intake import IntakeStep
-from regen_service.work.runtime import WorkerConfig, WorkerRuntime
+from regen_service.work.runtime import WorkerRuntime
 from regen_service.work.shard_runner import ShardBusy, one_line, process_shard
+from regen_service.work.worker_config import WorkerConfig
 from schemas.mix import MixError
 
 log = logging.getLogger("regen.worker")
@@ -76,7 +77,7 @@ class WorkerApp:
                 self._runtime = WorkerRuntime(self.settings, self.config)
                 IntakeStep.intake = self._runtime.intake
                 self.presence = Presence(
-                    self.settings, self.config.hostname or "regen", self.config.endpoints
+                    self.settings, self.config.hostname or "regen", self.config.pool.endpoints
                 )
             return self._runtime
 
@@ -218,7 +219,7 @@ class EndpointRecovery:
         rt = worker.runtime()
         t0, delay_s = time.monotonic(), 1.0
         while True:
-            limit = rt.config.exit_after_no_endpoint_s
+            limit = rt.config.bounds.exit_after_no_endpoint_s
             if limit is not None and time.monotonic() - t0 >= limit:
                 log.error("no usable endpoint for %.0fs: exiting with %d so the supervisor restarts this "
                           "worker", limit, EXIT_NO_ENDPOINT)  # fmt: skip
@@ -226,7 +227,7 @@ class EndpointRecovery:
                 os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown; `regen worker` sets the code
                 return
             time.sleep(delay_s)
-            delay_s = min(rt.config.endpoint_retry_max_s, delay_s * 2)
+            delay_s = min(rt.config.bounds.endpoint_retry_max_s, delay_s * 2)
             try:
                 rt.pool_for(model)
             except EndpointTerminalError as exc:

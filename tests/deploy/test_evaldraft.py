@@ -181,9 +181,10 @@ def _untrained_draft(target_dir: Path, out: Path) -> Path:
     """A draft with fresh weights for the target, exported for vLLM: what training starts from."""
     import torch
 
-    from regen_service.train.checkpoint import save_checkpoint
-    from regen_service.train.model import DraftConfig, Eagle3Draft
-    from regen_service.train.sglang_format import default_aux_inputs
+    from regen_service.draft.checkpoint import save_checkpoint
+    from regen_service.draft.config import DraftConfig
+    from regen_service.draft.sglang_format import default_aux_inputs
+    from regen_service.train.model import Eagle3Draft
     from regen_service.train.vocab import build_vocab
 
     tc = json.loads((target_dir / "config.json").read_text())

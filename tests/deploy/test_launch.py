@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from regen_service.cli import main
 from regen_service.deploy.launch import SpecParams
-from tests.train.test_export_validate import make_checkpoint, make_target
+from tests.draft.test_export_validate import make_checkpoint, make_target
 
 
 def run(*args: str, env: dict | None = None):

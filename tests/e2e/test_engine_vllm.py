@@ -25,10 +25,10 @@ import pytest
 import torch
 import yaml
 
+from regen_service.draft.checkpoint import load_latest, save_checkpoint
 from regen_service.produce.producer import enqueue
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train.accept import accept_length
-from regen_service.train.checkpoint import load_latest, save_checkpoint
 from regen_service.train.engine_target import VllmTarget
 from regen_service.train.fixtures import make_tiny_target, random_prompts, random_texts
 from regen_service.train.target import HFTarget

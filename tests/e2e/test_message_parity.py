@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from regen_service.produce.prepare import prepare_run
-from regen_service.produce.rows import prompts_from_table
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train.data import Example, table_examples, template_messages
 from regen_service.work.client.http import Completion
 from regen_service.work.regenerate import Regenerator
 from schemas.conversation import ToolCall
 from schemas.mix import parse_mix
+from schemas.prompt_rows import prompts_from_table
 from schemas.rows import output_rows, output_table
 from tests.procs import SAMPLES
 from tests.produce.test_samples import FILES

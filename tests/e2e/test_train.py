@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
+from regen_service.draft.checkpoint import load_latest
 from regen_service.produce.producer import enqueue
 from regen_service.train.accept import accept_length
-from regen_service.train.checkpoint import load_latest
 from regen_service.train.fixtures import make_tiny_target, random_prompts
 from regen_service.train.target import HFTarget
 from tests.procs import regen_cmd, sim_server, wait_run_done, worker_process

@@ -13,9 +13,9 @@ import yaml
 
 from regen_service.errors import ConfigError
 from regen_service.produce.prepare import prepare_run, run_id_for
-from regen_service.produce.rows import prompts_from_table
 from regen_service.state.storage import RunLayout, Storage
 from schemas.mix import load_mix
+from schemas.prompt_rows import prompts_from_table
 from schemas.records import RunManifest
 
 DEMO = Path(__file__).resolve().parents[2] / "regen_service" / "demo"

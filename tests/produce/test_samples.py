@@ -12,10 +12,10 @@ import json
 import pytest
 
 from regen_service.produce.prepare import prepare_run
-from regen_service.produce.rows import prompts_from_table
 from regen_service.produce.sources import normalize_row, read_rows
 from regen_service.state.storage import RunLayout, Storage
 from schemas.mix import parse_mix
+from schemas.prompt_rows import prompts_from_table
 from tests.procs import SAMPLES
 
 pytestmark = pytest.mark.skipif(not SAMPLES.is_dir(), reason=f"{SAMPLES} not present")

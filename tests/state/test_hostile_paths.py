@@ -15,12 +15,12 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from regen_service.draft.checkpoint import load_latest
 from regen_service.errors import ConfigError
 from regen_service.produce.producer import enqueue
 from regen_service.state.ledger import read_shard_done
 from regen_service.state.queue import make_celery, send_shard
 from regen_service.state.storage import BadRunIdError, RunLayout, Storage, check_run_id
-from regen_service.train.checkpoint import load_latest
 from regen_service.train.consumer import default_consumer_name
 from regen_service.train.fixtures import (
     greedy_rows,

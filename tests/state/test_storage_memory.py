@@ -116,8 +116,8 @@ def test_an_output_shard_round_trips_through_the_store_and_reads_with_pyarrow(st
 
 def test_a_run_prepares_onto_the_store_and_its_prompts_read_back(storage, tmp_path):
     from regen_service.produce.prepare import prepare_run
-    from regen_service.produce.rows import prompts_from_table
     from schemas.mix import parse_mix
+    from schemas.prompt_rows import prompts_from_table
 
     (tmp_path / "chat.jsonl").write_text(
         '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}\n'

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from regen_service.draft.checkpoint import REQUIRED_KEYS, load_latest
+from regen_service.draft.config import DraftConfig
 from regen_service.train.accept import accept_length
-from regen_service.train.checkpoint import REQUIRED_KEYS, load_latest
 from regen_service.train.config import TrainConfig
 from regen_service.train.fixtures import (
     greedy_rows,
@@ -19,8 +20,8 @@ from regen_service.train.fixtures import (
     random_prompts,
     register_run,
 )
-from regen_service.train.model import DraftConfig, Eagle3Draft
-from regen_service.train.runner import train_from_run
+from regen_service.train.loop import train_from_run
+from regen_service.train.model import Eagle3Draft
 from regen_service.train.target import HFTarget
 from tests.train.test_units import SGLANG_KEYS
 

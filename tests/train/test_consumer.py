@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from regen_service.train.checkpoint import load_latest
+from regen_service.draft.checkpoint import load_latest
 from regen_service.train.fixtures import greedy_rows, make_tiny_target, publish_shard, register_run
 from tests.procs import regen_cmd, spawn, stop, wait_exit, wait_progress
 

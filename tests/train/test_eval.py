@@ -17,9 +17,9 @@ import pyarrow as pa
 import pytest
 import torch
 
+from regen_service.draft.checkpoint import best_path, load_checkpoint, load_latest
 from regen_service.errors import ConfigError
 from regen_service.train.accept import accept_length
-from regen_service.train.checkpoint import best_path, load_checkpoint, load_latest
 from regen_service.train.config import TrainConfig
 from regen_service.train.eval_set import EvalSet, split_table
 from regen_service.train.evaluate import chain_stats, format_table
@@ -30,9 +30,9 @@ from regen_service.train.fixtures import (
     publish_shard,
     register_run,
 )
+from regen_service.train.loop import train_from_run
 from regen_service.train.monitor import batch_samples
 from regen_service.train.progress import not_learning
-from regen_service.train.runner import train_from_run
 from regen_service.train.target import HFTarget
 from schemas.heldout import HeldOutSplit
 from tests.train.test_accept import _draft
@@ -224,7 +224,7 @@ def test_flat_target_warns_and_a_source_without_held_out_prompts_is_named(settin
 
 
 def test_pruning_keeps_the_best_step_directory(tmp_path):
-    from regen_service.train.checkpoint import REQUIRED_KEYS, mark_best, save_checkpoint
+    from regen_service.draft.checkpoint import REQUIRED_KEYS, mark_best, save_checkpoint
 
     for step in range(1, 6):
         save_checkpoint(tmp_path, {**dict.fromkeys(REQUIRED_KEYS), "step": step}, keep=1)

@@ -17,13 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from regen_service.draft.config import DraftConfig
+from regen_service.draft.export import build_config
 from regen_service.train import loss as L
-from regen_service.train.export import build_config
-from regen_service.train.model import DraftConfig, Eagle3Draft
+from regen_service.train.model import Eagle3Draft
 from regen_service.train.optim import MasterWeights
 from regen_service.train.rope import RotaryTable, inv_freq_and_scale
 from regen_service.train.target import head_outputs
-from regen_service.train.train import draft_config_for
+from regen_service.train.trainer import draft_config_for
 from regen_service.train.ttt import _shift, ttt_loss
 
 N_VOCAB, N_DRAFT = 300, 70

@@ -17,15 +17,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from regen_service.draft.checkpoint import UnsafeCheckpointError, latest_path
 from regen_service.errors import ConfigError
 from regen_service.train import data as D
-from regen_service.train.checkpoint import UnsafeCheckpointError, latest_path
 from regen_service.train.config import TrainConfig
 from regen_service.train.fixtures import DEMO_TOKENIZER
 from schemas.yamlfile import YamlRefused, load_yaml
+from tests.draft.test_convert import make_speculators_draft
+from tests.draft.test_export_validate import cli, make_checkpoint, make_target
 from tests.procs import regen_cmd
-from tests.train.test_convert import make_speculators_draft
-from tests.train.test_export_validate import cli, make_checkpoint, make_target
 
 BOMB = """\
 lr: &a [1,1,1,1,1,1,1,1,1]

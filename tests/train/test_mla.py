@@ -17,12 +17,13 @@ import torch
 from click.testing import CliRunner
 
 from regen_service.cli import main
+from regen_service.draft.config import DraftConfig
 from regen_service.train.config import TrainConfig
-from regen_service.train.model import DraftConfig, Eagle3Draft
-from regen_service.train.train import draft_config_for
+from regen_service.train.model import Eagle3Draft
+from regen_service.train.trainer import draft_config_for
 from regen_service.train.ttt import ttt_loss
 from regen_service.train.vocab import build_vocab
-from tests.train.test_export_validate import make_target
+from tests.draft.test_export_validate import make_target
 
 H, HEADS, NOPE, ROPE, V, Q_RANK, KV_RANK = 32, 4, 8, 4, 8, 24, 16
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
@@ -105,18 +106,20 @@ def test_mla_shapes_are_the_mla_targets_own_and_proportional_for_others():
     kimi = _target(
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
     )
-    dc = draft_config_for(kimi, TrainConfig(draft_arch="mla"))
+    dc = draft_config_for(kimi, TrainConfig(draft_arch="mla").model)
     assert (dc.draft_arch, dc.num_attention_heads, dc.q_lora_rank, dc.kv_lora_rank) == ("mla", 64, 1536, 512)
     assert (dc.qk_nope_head_dim, dc.qk_rope_head_dim, dc.v_head_dim, dc.hidden_size) == (128, 64, 128, 7168)
     # a Llama target (no MLA dims): DeepSeek-V2's proportions of its head dim (4096 / 32 = 128)
-    llama = draft_config_for(_target(hidden_size=4096, num_attention_heads=32), TrainConfig(draft_arch="mla"))
+    llama = draft_config_for(
+        _target(hidden_size=4096, num_attention_heads=32), TrainConfig(draft_arch="mla").model
+    )
     assert (llama.q_lora_rank, llama.kv_lora_rank, llama.qk_nope_head_dim, llama.qk_rope_head_dim) == (
         1536,
         512,
         128,
         64,
     )
-    assert draft_config_for(kimi, TrainConfig()).draft_arch == "llama"  # the default stays Llama-style
+    assert draft_config_for(kimi, TrainConfig().model).draft_arch == "llama"  # the default stays Llama-style
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

@@ -9,12 +9,13 @@ import pyarrow as pa
 import pytest
 import torch
 
+from regen_service.draft.checkpoint import REQUIRED_KEYS, latest_path, load_latest, save_checkpoint
+from regen_service.draft.config import DraftConfig
 from regen_service.errors import ConfigError
 from regen_service.train import data as D
-from regen_service.train.checkpoint import REQUIRED_KEYS, latest_path, load_latest, save_checkpoint
 from regen_service.train.config import TrainConfig
 from regen_service.train.fixtures import DEMO_TOKENIZER, output_table
-from regen_service.train.model import DraftConfig, Eagle3Draft
+from regen_service.train.model import Eagle3Draft
 from regen_service.train.ttt import ttt_loss
 from regen_service.train.vocab import build_vocab
 from schemas.conversation import Message, ToolCall
@@ -180,7 +181,7 @@ def test_train_config_is_strict(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text(json.dumps({"ttt_length": 3, "draft_vocab_size": 100}))
     cfg = TrainConfig.load(path)
-    assert cfg.ttt_length == 3 and cfg.lr == 1e-4
+    assert cfg.optimisation.ttt_length == 3 and cfg.optimisation.lr == 1e-4
     path.write_text("ttt_lenght: 3\n")
     with pytest.raises(ConfigError, match="ttt_lenght"):
         TrainConfig.load(path)

@@ -129,23 +129,14 @@ def _parquet(path: str) -> Iterator[tuple[int, dict | BadRow]]:
                 index += 1
 
 
-def _resolve_data_files(mix: MixSpec, files: Any) -> Any:
-    if isinstance(files, str):
-        return mix.resolve(files)
-    if isinstance(files, list):
-        return [mix.resolve(f) for f in files]
-    if isinstance(files, dict):
-        return {k: _resolve_data_files(mix, v) for k, v in files.items()}
-    return files
-
-
 def hf_kwargs(mix: MixSpec, source: SourceSpec) -> dict:
     """load_dataset arguments with relative data_files (and a relative data_dir) made absolute."""
     kwargs = source.hf.model_dump(exclude_none=True)
+    paths = mix.paths.of(source)
     if "data_files" in kwargs:
-        kwargs["data_files"] = _resolve_data_files(mix, kwargs["data_files"])
+        kwargs["data_files"] = paths.data_files
     if isinstance(kwargs.get("data_dir"), str):
-        kwargs["data_dir"] = mix.resolve(kwargs["data_dir"])
+        kwargs["data_dir"] = paths.data_dir
     return kwargs
 
 
@@ -170,7 +161,7 @@ def read_rows(mix: MixSpec, source: SourceSpec) -> Iterator[tuple[int, dict | Ba
     if source.hf is not None:
         yield from _hf(mix, source)
         return
-    path = mix.resolve(source.path)
+    path = mix.paths.of(source).path
     where = f"source {source.name!r} ({path})"
     if not Path(path).is_file():
         raise ConfigError(f"{where}: file not found; paths are relative to the mix file's folder")

@@ -22,14 +22,24 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from regen_service.errors import RetryableError
 from regen_service.work.client import metrics
 from regen_service.work.client.auth import MARKER, scrub_registered, scrub_secrets
 
-if TYPE_CHECKING:  # http.py builds its errors with server_text: no import back at run time
-    from regen_service.work.client.http import Completion
+
+class Answer(Protocol):
+    """The fields of http.Completion an answer's scrub rewrites (http.py imports this module, not back)."""
+
+    text: str
+    content: str | None
+    reasoning_content: str | None
+    finish_reason: str | None
+    matched_stop: object
+    tool_calls: list | None
+    output_ids: list | None
+
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +77,7 @@ class SecretInAnswerError(RetryableError):
     not stored; another attempt (possibly another endpoint) may answer cleanly."""
 
 
-def redact_answer(c: Completion, endpoint: str) -> int:
+def redact_answer(c: Answer, endpoint: str) -> int:
     """Replace every registered secret in the answer's stored fields by MARKER; the number replaced.
     Counted (regen_client_answers_scrubbed_total) and logged without the key."""
     found = 0

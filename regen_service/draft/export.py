@@ -14,10 +14,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from regen_service.draft import mla_format as mla
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.report import DraftReport
+from regen_service.draft.validate import validate_draft
 from regen_service.errors import ConfigError
-from regen_service.train import mla_format as mla
-from regen_service.train import sglang_format as fmt
-from regen_service.train.validate import DraftReport, validate_draft
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "keep")
 
@@ -39,7 +40,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             return candidate
         latest = candidate / "latest"
         if latest.is_file():
-            from regen_service.train.checkpoint import latest_step
+            from regen_service.draft.checkpoint import latest_step
 
             step = latest_step(candidate)  # refuses a name leading outside the checkpoints folder
             if not (step / "state.pt").is_file():
@@ -53,7 +54,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def _load_state(step: Path) -> dict:
     # weights_only, no fallback: a planted pickle is refused (UnsafeCheckpointError), never run.
-    from regen_service.train.checkpoint import load_checkpoint
+    from regen_service.draft.checkpoint import load_checkpoint
 
     return load_checkpoint(step / "state.pt", mmap=True)
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from regen_service.cli import main
-from regen_service.train.sglang_format import default_aux_inputs
+from regen_service.draft.sglang_format import default_aux_inputs
 from tests.procs import regen_cmd
 
 H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 64  # head dim 64: one FlashInfer serves
@@ -293,7 +293,7 @@ def test_validate_draft_real_cli_exit_codes(exported):
 
 
 def test_default_aux_layers_are_distinct_for_every_depth():
-    from regen_service.train import sglang_format as fmt
+    from regen_service.draft import sglang_format as fmt
 
     for n in range(4, 200):
         ids = fmt.default_aux_inputs(n)

@@ -3,7 +3,9 @@
 Starts the simulator (instead of a GPU server) and one worker as separate processes, enqueues the
 bundled sample mix (five formats, planted bad rows, a small Kimi-style tokenizer), waits for the run,
 then prints where the shards are and a per-source summary read back from the Parquet files. Uses the
-Redis already running (REGEN_REDIS_URL) and the data root (REGEN_DATA_ROOT, default ./data).
+Redis already running (REGEN_REDIS_URL) and the data root (REGEN_DATA_ROOT, default ./data). The
+bundled mix, data and tokenizer are files in regen_service/demo/ (no code there): this module is the
+`regen demo` command's, so it sits in cli/ and the folder's name is the data's alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from regen_service.state.status import run_status
 from regen_service.work.metrics import row_outcome
 from schemas.rows import OutputRow
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"  # the bundled data: regen_service/demo/
 DEMO_MIX = DEMO_DIR / "mix.yaml"
 
 

@@ -9,13 +9,9 @@ deepseek_eagle3.py, registry.py); docs/draft-checkpoints.md cites them per row.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from regen_service.train import mla_format as mla
-from regen_service.train import sglang_format as fmt
-
-if TYPE_CHECKING:
-    from regen_service.train.validate import DraftReport
+from regen_service.draft import mla_format as mla
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.report import DraftReport
 
 CFG = fmt.CONFIG_FILE
 # What each engine builds an EAGLE-3 draft from (vLLM 0.32 registry.py maps all four; SGLang 0.5.23 has

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
+from regen_service.draft.checkpoint import load_latest, save_checkpoint
 from regen_service.errors import ConfigError
 from regen_service.remote_code import load_tokenizer, require_opt_in
 from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train import data as D
-from regen_service.train.checkpoint import load_latest, save_checkpoint
 from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
@@ -41,7 +41,7 @@ from regen_service.train.eval_set import split_table
 from regen_service.train.monitor import Monitor
 from regen_service.train.preflight import check_train_config
 from regen_service.train.target import HFTarget
-from regen_service.train.train import DraftTrainer, draft_config_for
+from regen_service.train.trainer import DraftTrainer, draft_config_for
 from regen_service.train.vocab import VocabCounter, build_vocab, coverage
 
 # What reading a planted or broken shard raises: missing file, not Parquet (ArrowInvalid is a
@@ -54,19 +54,24 @@ TRUST_SETTING = "regen train --trust-remote-code (or trust_remote_code: true in 
 
 def make_target(path: str, cfg: TrainConfig, device):
     """The backend that gives target states: a local HF copy, or the vLLM engine holding the target."""
-    if cfg.target_backend == "vllm":
+    if cfg.target_states.target_backend == "vllm":
         from regen_service.train.engine_target import VllmTarget
 
         return VllmTarget(
             path,
-            cfg.target_endpoint,
+            cfg.target_states.target_endpoint,
             device,
-            cfg.aux_layer_ids,
-            states_dir=cfg.target_states_dir,
-            num_parallel_requests=cfg.target_num_parallel_requests,
-            request_timeout_s=cfg.target_request_timeout_s,
+            cfg.target_states.aux_layer_ids,
+            states_dir=cfg.target_states.target_states_dir,
+            num_parallel_requests=cfg.target_states.target_num_parallel_requests,
+            request_timeout_s=cfg.target_states.target_request_timeout_s,
         )
-    return HFTarget(path, device, aux_layer_ids=cfg.aux_layer_ids, trust_remote_code=cfg.trust_remote_code)
+    return HFTarget(
+        path,
+        device,
+        aux_layer_ids=cfg.target_states.aux_layer_ids,
+        trust_remote_code=cfg.target_states.trust_remote_code,
+    )
 
 
 def train_from_run(
@@ -84,7 +89,7 @@ def train_from_run(
     """Train until the stream has nothing more (with follow: until the run is done). Returns a summary."""
     # Before any weight is loaded or process group started: first whether the folder's code may run at
     # all, then whether the config fits the target.
-    require_opt_in(target_path, cfg.trust_remote_code, TRUST_SETTING)
+    require_opt_in(target_path, cfg.target_states.trust_remote_code, TRUST_SETTING)
     check_train_config(cfg, target_path)
     ctx = init_distributed(device)
     try:
@@ -116,11 +121,11 @@ class _Run:
         self.vocab_stats: dict | None = ckpt.get("vocab_stats") if ckpt else None
         self.bad_shards: list[dict] = list(ckpt.get("bad_shards") or []) if ckpt else []
         self.feed = None
-        total, num_shards = cfg.total_steps, None
+        total, num_shards = cfg.optimisation.total_steps, None
         if ctx.is_main:
             ledger = Ledger(settings)
             name = consumer or default_consumer_name(str(self.out))
-            self.feed = ShardFeed(ledger, run_id, group, name, cfg.claim_idle_s, cfg.poll_s)
+            self.feed = ShardFeed(ledger, run_id, group, name, cfg.data.claim_idle_s, cfg.data.poll_s)
             rec = ledger.run_record(run_id)
             num_shards = int(rec["num_shards"]) if rec and rec.get("num_shards") else None
             if total is None:
@@ -128,10 +133,12 @@ class _Run:
                     raise ConfigError(
                         f"run {run_id} is unknown to the ledger; set total_steps in the train config"
                     )
-                total = math.ceil(int(rec["num_prompts"]) * cfg.epochs / (cfg.batch_size * ctx.world))
+                total = math.ceil(
+                    int(rec["num_prompts"]) * cfg.data.epochs / (cfg.data.batch_size * ctx.world)
+                )
         total = broadcast_object(max(1, int(total or 1)), ctx)
         self.trainer = DraftTrainer(
-            cfg, draft_config_for(self.target.text_config, cfg), self.target.embed_weight, ctx, total
+            cfg, draft_config_for(self.target.text_config, cfg.model), self.target.embed_weight, ctx, total
         )
         if ckpt:
             self.trainer.load_state(ckpt)
@@ -143,7 +150,7 @@ class _Run:
 
     def _draft_ids(self):
         """Target ids of the draft vocabulary for soft targets (the target's logits over them); None = hard."""
-        if self.cfg.target != "soft":
+        if self.cfg.optimisation.target != "soft":
             return None
         d = self.trainer.draft
         return d.draft_to_target(torch.arange(d.config.draft_vocab_size, device=d.d2t.device))
@@ -152,19 +159,22 @@ class _Run:
     def _renderer_factory(self):
         if self._renderer is None:
             tok = load_tokenizer(
-                self.target_path, trust_remote_code=self.cfg.trust_remote_code, setting=TRUST_SETTING
+                self.target_path,
+                trust_remote_code=self.cfg.target_states.trust_remote_code,
+                setting=TRUST_SETTING,
             )
             self._renderer = D.ChatRenderer(tok)
         return self._renderer
 
     def _samples(self) -> str:
-        if self.cfg.samples == "auto":  # follow what the target's template does, decided once
+        if self.cfg.data.samples == "auto":  # follow what the target's template does, decided once
             per_gen = self._renderer_factory().drops_thinking
-            self.cfg = self.cfg.model_copy(
+            data = self.cfg.data.model_copy(
                 update={"samples": "per_generation" if per_gen else "conversation"}
             )
-            log.info("training samples: %s (from the target's chat template)", self.cfg.samples)
-        return self.cfg.samples
+            self.cfg = self.cfg.model_copy(update={"data": data})
+            log.info("training samples: %s (from the target's chat template)", self.cfg.data.samples)
+        return self.cfg.data.samples
 
     def _examples(self, ref: ShardRef) -> tuple[list[D.Example], dict] | None:
         """The shard's training examples and its held-out ones (never trained on, eval_set.split_table),
@@ -173,10 +183,12 @@ class _Run:
         samples = self._samples()  # a tokenizer that cannot load is the config's fault, not the shard's
         try:
             table, held_tables, trained = split_table(self.storage.read_table(path), self.mon.evalset.split)
-            examples, stats = D.table_examples(table, self._renderer_factory, self.cfg.max_length, samples)
+            examples, stats = D.table_examples(
+                table, self._renderer_factory, self.cfg.data.max_length, samples
+            )
             held = {
                 "examples": {
-                    src: D.table_examples(t, self._renderer_factory, self.cfg.max_length, samples)[0]
+                    src: D.table_examples(t, self._renderer_factory, self.cfg.data.max_length, samples)[0]
                     for src, t in held_tables.items()
                 },
                 "trained": trained,
@@ -243,7 +255,10 @@ class _Run:
                     log.warning(
                         "shard %s was taken over by another trainer; not recorded as consumed", ref.key
                     )
-                if len(self.consumed) % self.cfg.checkpoint_every_shards == 0 or self.mon.best_pending:
+                if (
+                    len(self.consumed) % self.cfg.checkpoints.checkpoint_every_shards == 0
+                    or self.mon.best_pending
+                ):
                     self._checkpoint(None)
         self.mon.finish()  # the final held-out evaluation (every rank)
         if self.ctx.is_main and (
@@ -274,8 +289,8 @@ class _Run:
 
     def _build_vocab(self, first: list[ShardRef], cache: dict):
         counter = VocabCounter(self.target.vocab_size)
-        while len(first) < self.cfg.vocab_shards and not (
-            self.cfg.vocab_tokens and counter.tokens >= self.cfg.vocab_tokens
+        while len(first) < self.cfg.data.vocab_shards and not (
+            self.cfg.data.vocab_tokens and counter.tokens >= self.cfg.data.vocab_tokens
         ):
             ref = self._next_local()
             if ref is None:
@@ -285,7 +300,7 @@ class _Run:
             first.append(ref)
         if not first:
             return None
-        d2t, t2d = build_vocab(counter.counts, self.cfg.draft_vocab_size)
+        d2t, t2d = build_vocab(counter.counts, self.cfg.model.draft_vocab_size)
         stats = {
             "shards": [list(r.key) for r in first],
             "tokens": counter.tokens,
@@ -302,9 +317,9 @@ class _Run:
             (ip["epoch"], ip["next_batch"]) if ip and (ip["run_id"], ip["shard_id"]) == ref.key else (0, 0)
         )
         self.in_progress = None
-        for epoch in range(epoch0, cfg.epochs):
-            exs = D.shuffled(examples, cfg.seed, ref.shard_id, epoch)
-            batches, n = D.rank_batches(exs, cfg.batch_size, ctx.rank, ctx.world)
+        for epoch in range(epoch0, cfg.data.epochs):
+            exs = D.shuffled(examples, cfg.data.seed, ref.shard_id, epoch)
+            batches, n = D.rank_batches(exs, cfg.data.batch_size, ctx.rank, ctx.world)
             for b in range(batch0 if epoch == epoch0 else 0, n):
                 chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [exs[:1]])[0], 0.0)
                 batch = D.collate(chunk)
@@ -312,11 +327,11 @@ class _Run:
                     batch["input_ids"], batch["attention_mask"], self._draft_ids()
                 )
                 metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl)
-                if tr.step % cfg.log_every_steps == 0:
+                if tr.step % cfg.tracking.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)
                 best = self.mon.stepped(len(exs), b)  # held-out eval when due (every rank)
-                mid_shard = b + 1 < n or epoch + 1 < cfg.epochs
-                every = cfg.checkpoint_every_steps
+                mid_shard = b + 1 < n or epoch + 1 < cfg.data.epochs
+                every = cfg.checkpoints.checkpoint_every_steps
                 if ctx.is_main and (best or (every and tr.step % every == 0)) and mid_shard:
                     pos = {
                         "run_id": ref.run_id,
@@ -345,7 +360,7 @@ class _Run:
         state.update(
             aux_layer_ids=list(self.target.aux_layer_ids),
             target_num_layers=self.target.num_layers,
-            train_config=self.cfg.model_dump(mode="json"),
+            train_config=self.cfg.flat_dict(),  # the flat keys every checkpoint has held
             consumed_shards=[list(k) for k in self.consumed],
             in_progress=in_progress,
             vocab_stats=self.vocab_stats,
@@ -355,7 +370,7 @@ class _Run:
             torch_version=str(torch.__version__),  # a plain str: weights_only loads it
             **self.mon.state(),
         )
-        path = save_checkpoint(self.out, state, keep=self.cfg.keep_checkpoints)
+        path = save_checkpoint(self.out, state, keep=self.cfg.checkpoints.keep_checkpoints)
         self.mon.saved(path.name, self.trainer.step)
         self._last_saved_step = self.trainer.step
         self._saved_bad = len(self.bad_shards)

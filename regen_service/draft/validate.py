@@ -1,7 +1,7 @@
 """Is this draft directory something the serving engine (SGLang, or vLLM) loads correctly? Every way it
 could load silently wrong.
 
-`validate_draft(dir, target, engine)` returns a report with ALL problems found (code, file, key, message,
+`validate_draft(dir, target, engine)` returns a report (report.py's DraftReport) with ALL problems found (code, file, key, message,
 fix) and a summary naming the engine release whose loaders it follows; it reads only the safetensors
 header plus the small `d2t`/`t2d` tensors, with numpy, so it runs anywhere in a second. Callers: `regen
 validate-draft`, `regen export`, `regen convert-draft` and the launch preflights. Formats: Llama-style
@@ -12,13 +12,11 @@ validate_config.py, tensor checks in validate_tensors.py, the d2t/t2d map and au
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from regen_service.train import sglang_format as fmt
-from regen_service.train.validate_config import check_config, draft_kind, format_name, required_fields
-from regen_service.train.validate_tensors import (
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.report import DraftReport
+from regen_service.draft.validate_config import check_config, draft_kind, format_name, required_fields
+from regen_service.draft.validate_tensors import (
     check_tensors,
     read_safetensors_header,
     read_small_tensor,
@@ -26,40 +24,6 @@ from regen_service.train.validate_tensors import (
 )
 
 _AUX_KEY = "eagle_config.eagle_aux_hidden_state_layer_ids"
-
-
-class Problem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    code: str
-    message: str
-    fix: str
-    severity: Literal["error", "warning"] = "error"
-    file: str = ""  # the file to edit (config.json, model.safetensors), when one is to blame
-    key: str = ""  # the config field or tensor name
-
-
-class DraftReport(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str
-    problems: list[Problem] = Field(default_factory=list)
-    summary: dict = Field(default_factory=dict)
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def add(
-        self, code: str, message: str, fix: str, severity: str = "error", *, file: str = "", key: str = ""
-    ) -> None:
-        self.problems.append(
-            Problem(code=code, message=message, fix=fix, severity=severity, file=file, key=key)
-        )
 
 
 def validate_draft(

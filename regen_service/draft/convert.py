@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.export import finalize, prepare_out, write_draft
+from regen_service.draft.report import DraftReport
+from regen_service.draft.validate import validate_draft
 from regen_service.errors import ConfigError
-from regen_service.train import sglang_format as fmt
-from regen_service.train.export import finalize, prepare_out, write_draft
-from regen_service.train.validate import DraftReport, validate_draft
 
 # Where speculators versions (and hand-written configs) put the aux layer ids; vLLM convention.
 _AUX_FIELDS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_hidden_state_layer_ids")

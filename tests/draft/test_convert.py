@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.train.test_export_validate import (
+from tests.draft.test_export_validate import (
     DRAFT_VOCAB,
     LAYERS,
     VOCAB,
@@ -172,7 +172,7 @@ def test_norm_before_fc_and_norm_output_are_carried_over(tmp_path):
 
 
 def test_fc_norm_and_extra_layers_are_converted(tmp_path):
-    from tests.train.test_draft_formats import extra_layer
+    from tests.draft.test_draft_formats import extra_layer
 
     src = make_speculators_draft(tmp_path / "spec", fc_norm=True)
     cfg = json.loads((src / "config.json").read_text())

@@ -2,11 +2,12 @@
 
 `DraftTrainer` owns the model, optimizer and schedule and turns (target states, ids, masks, and the
 target's draft-vocab distribution for soft targets) into one optimizer step; it knows nothing about
-Redis or shards (runner.py feeds it; the GPU benchmark feeds it synthetic states). On a GPU with
+Redis or shards (loop.py feeds it; the GPU benchmark feeds it synthetic states). On a GPU with
 `bf16` the parameters are bf16 (the frozen target embedding too: no fp32 copy of it) and AdamW
 steps fp32 master weights (optim.py); attention is flex (flexattn.py). The CPU keeps fp32 and the
 eager attention. Under torchrun the TTT module is wrapped in DistributedDataParallel. Imports
-torch only; `cfg` is a TrainConfig or any object with the same attributes.
+torch only; `cfg` is a TrainConfig or any object with its nested attributes (`data.seed`,
+`model.attention`, `optimisation.lr` ...: the GPU benchmark passes a namespace).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from regen_service.draft.config import DraftConfig
 from regen_service.train import flexattn
 from regen_service.train.dist import DistContext, all_reduce_mean
-from regen_service.train.model import DraftConfig, Eagle3Draft
+from regen_service.train.model import Eagle3Draft
 from regen_service.train.optim import MasterWeights
 from regen_service.train.rope import scaling_type
 from regen_service.train.ttt import TTTModule
@@ -79,11 +81,12 @@ def mla_dims_for(tc, heads: int) -> dict[str, int]:
     }
 
 
-def draft_config_for(tc, cfg) -> DraftConfig:
-    """Draft shapes from the target's text config (overridable in cfg); see eagle3.md."""
-    if getattr(cfg, "draft_arch", "llama") == "mla":
-        return _mla_draft_config(tc, cfg)
-    target_heads = cfg.num_attention_heads or tc.num_attention_heads
+def draft_config_for(tc, model) -> DraftConfig:
+    """Draft shapes from the target's text config, overridable in `model` (TrainConfig.model, or any
+    object with its attributes; draft_arch defaults to llama); see eagle3.md."""
+    if getattr(model, "draft_arch", "llama") == "mla":
+        return _mla_draft_config(tc, model)
+    target_heads = model.num_attention_heads or tc.num_attention_heads
     heads, head_dim = served_heads(tc.hidden_size, target_heads)
     if (heads, head_dim) != (target_heads, tc.hidden_size // target_heads):
         log.warning(
@@ -91,33 +94,33 @@ def draft_config_for(tc, cfg) -> DraftConfig:
             "attention kernels do not serve; served: %s)",
             heads, head_dim, target_heads, tc.hidden_size / target_heads, SERVED_HEAD_DIMS,
         )  # fmt: skip
-    kv = cfg.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or target_heads
+    kv = model.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or target_heads
     if heads % kv:
         kv = heads  # the target's kv grouping does not divide the served head count: no grouping
     return DraftConfig(
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, **_common(tc, cfg)
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, **_common(tc, model)
     )
 
 
-def _common(tc, cfg) -> dict:
+def _common(tc, model) -> dict:
     rope = getattr(tc, "rope_parameters", None) or {}
     return dict(
         hidden_size=tc.hidden_size,
-        intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        intermediate_size=model.intermediate_size or tc.intermediate_size,
         rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
         rope_theta=float(getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)),
         max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
         vocab_size=tc.vocab_size,
-        draft_vocab_size=cfg.draft_vocab_size,
+        draft_vocab_size=model.draft_vocab_size,
         target_hidden_size=tc.hidden_size,
         rope_scaling=rope_scaling_of(tc),
     )
 
 
-def _mla_draft_config(tc, cfg) -> DraftConfig:
+def _mla_draft_config(tc, model) -> DraftConfig:
     """The MLA draft: the target's heads (the MLA attention backend has no head-dim limit of the Llama
     draft's kinds) and MLA dims (mla_dims_for)."""
-    heads = cfg.num_attention_heads or tc.num_attention_heads
+    heads = model.num_attention_heads or tc.num_attention_heads
     dims = mla_dims_for(tc, heads)
     return DraftConfig(
         num_attention_heads=heads,
@@ -125,7 +128,7 @@ def _mla_draft_config(tc, cfg) -> DraftConfig:
         head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
         draft_arch="mla",
         **dims,
-        **_common(tc, cfg),
+        **_common(tc, model),
     )
 
 
@@ -145,15 +148,15 @@ class WarmupCosine:
 class DraftTrainer:
     def __init__(self, cfg, dc: DraftConfig, embed_weight: torch.Tensor, ctx: DistContext, total_steps: int):
         self.cfg, self.ctx, self.dc = cfg, ctx, dc
-        torch.manual_seed(cfg.seed)
-        self.bf16 = ctx.device.type == "cuda" and cfg.bf16
+        torch.manual_seed(cfg.data.seed)
+        self.bf16 = ctx.device.type == "cuda" and cfg.optimisation.bf16
         # fp32 init (the same weights whatever the dtype), then bf16 parameters where the GPU trains in bf16
         self.draft = Eagle3Draft(dc).to(ctx.device, torch.bfloat16 if self.bf16 else torch.float32)
         with torch.no_grad():
             self.draft.embed_tokens.weight.copy_(
                 embed_weight.to(ctx.device, self.draft.embed_tokens.weight.dtype)
             )
-        attn = getattr(cfg, "attention", "auto")
+        attn = cfg.model.attention
         fits = flexattn.fits(torch.bfloat16 if self.bf16 else torch.float32, dc.head_dim)
         if attn == "auto":
             attn = "flex" if flexattn.available(ctx.device) and fits else "eager"
@@ -167,7 +170,7 @@ class DraftTrainer:
                 "memory; set bf16: true (the default) or attention: eager"
             )
         self.draft.set_attention(attn)
-        self.ttt = TTTModule(self.draft, cfg.ttt_length, cfg.ttt_decay)
+        self.ttt = TTTModule(self.draft, cfg.optimisation.ttt_length, cfg.optimisation.ttt_decay)
         self.module = (
             DistributedDataParallel(
                 self.ttt,
@@ -181,12 +184,12 @@ class DraftTrainer:
         # fused: one kernel over all fp32 masters on CUDA (the update is memory-bound: ~12 GB a step at
         # Llama-8B draft shapes), where foreach launches several passes
         self.opt = torch.optim.AdamW(
-            self.masters.masters, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+            self.masters.masters, lr=cfg.optimisation.lr, betas=tuple(cfg.optimisation.betas), weight_decay=cfg.optimisation.weight_decay,
             fused=ctx.device.type == "cuda",
         )  # fmt: skip
-        warmup = max(1, int(total_steps * cfg.warmup_ratio))
+        warmup = max(1, int(total_steps * cfg.optimisation.warmup_ratio))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, WarmupCosine(total_steps, warmup, cfg.min_lr_ratio)
+            self.opt, WarmupCosine(total_steps, warmup, cfg.optimisation.min_lr_ratio)
         )
         self.step = 0
         self._t0, self._tokens = time.perf_counter(), 0
@@ -213,7 +216,9 @@ class DraftTrainer:
         )
         (loss * weight).backward()
         self.masters.to_masters()
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.masters.masters, self.cfg.grad_clip)
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+            self.masters.masters, self.cfg.optimisation.grad_clip
+        )
         self.opt.step()
         self.masters.to_params()
         self.sched.step()

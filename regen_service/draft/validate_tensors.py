@@ -12,13 +12,10 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from regen_service.train import mla_format as mla
-from regen_service.train import sglang_format as fmt
-
-if TYPE_CHECKING:
-    from regen_service.train.validate import DraftReport
+from regen_service.draft import mla_format as mla
+from regen_service.draft import sglang_format as fmt
+from regen_service.draft.report import DraftReport
 
 _NP_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
 

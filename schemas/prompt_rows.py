@@ -1,7 +1,9 @@
 """Prompt shard rows (PROMPT_SCHEMA) <-> PromptRecords, and the `tools` column's JSON.
 
-Messages convert through schemas.conversation.Message.to_dict/from_dict and output rows through
-schemas.rows (OutputRow); this module only adds the prompt shard's table on top of them.
+The prompt side's codec, twin of schemas.rows (OutputRow <-> OUTPUT_SCHEMA): the producer writes rows
+with `prompt_row`, the worker reads them back with `prompts_from_table`, both through this one module,
+so neither stage imports the other. Messages convert through schemas.conversation.Message.to_dict /
+from_dict; this module only adds the prompt shard's table on top of them. pyarrow and json only.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.procs import regen_cmd
-from tests.train.test_export_validate import (
+from tests.draft.test_export_validate import (
     DRAFT_VOCAB,
     HD,
     HEADS,
@@ -29,6 +28,7 @@ from tests.train.test_export_validate import (
     make_checkpoint,
     make_target,
 )
+from tests.procs import regen_cmd
 
 Q_RANK, KV_RANK, NOPE, ROPE, V = 32, 16, 16, 8, 16
 

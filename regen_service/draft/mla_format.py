@@ -18,7 +18,7 @@ a non-float dtype.
 
 from __future__ import annotations
 
-from regen_service.train import sglang_format as fmt
+from regen_service.draft import sglang_format as fmt
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 # vLLM 0.32's registry maps both names to deepseek_eagle3.Eagle3DeepseekV2ForCausalLM; SGLang knows V2 only.
