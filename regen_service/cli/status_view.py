@@ -38,6 +38,7 @@ def _state_words(st: dict) -> str:
 def failure_lines(st: dict) -> list[str]:
     """Why shards failed, and what to run next: under the headline, in text and on a terminal."""
     lines = [f"  shard {sid:>5} failed: {why}" for sid, why in st.get("failed_shards", {}).items()]
+    lines += [f"  shard {sid:>5} {why}" for sid, why in st.get("dead_holder_shards", {}).items()]
     if st.get("next_step"):
         lines.append(f"  next: {st['next_step']}")
     return lines

@@ -23,7 +23,10 @@ shard. Keys, all under the settings' key prefix P:
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -58,6 +61,16 @@ class RunCounters:
     done_by_source: dict[str, int]
     failed_by_source: dict[str, int]
     tokens_by_source: dict[str, int]
+
+
+def owner_token(node: str | None = None) -> str:
+    """A lease holder's token: its worker's node name (what presence lists), its pid, a nonce."""
+    return f"{node or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def owner_node(token: str) -> str:
+    """The node name of the worker an owner_token names."""
+    return token.rsplit("-", 2)[0]
 
 
 def connect(settings: Settings) -> redis.Redis:
@@ -272,6 +285,21 @@ class Ledger:
 
     def lease_holder(self, run_id: str, shard_id: int) -> str | None:
         return self.r.get(self.lease_key(run_id, shard_id))
+
+    def leases(self, run_id: str, shard_ids: Iterable[int]) -> dict[int, tuple[str, float | None]]:
+        """Holder and seconds left of every lease held among `shard_ids`, in one round trip (left is
+        None for a lease without a TTL); shards nobody holds are absent."""
+        ids = list(shard_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for sid in ids:
+            pipe.get(self.lease_key(run_id, sid))
+            pipe.pttl(self.lease_key(run_id, sid))
+        got = pipe.execute()
+        out = {}
+        for sid, holder, ttl_ms in zip(ids, got[::2], got[1::2], strict=True):
+            if holder is not None:
+                out[sid] = (holder, ttl_ms / 1000 if ttl_ms > 0 else None)
+        return out
 
     def lease_left_s(self, run_id: str, shard_id: int) -> float | None:
         """Seconds until the shard's lease runs out by itself; None when no lease is held."""

@@ -36,6 +36,7 @@ from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.presence import Presence
 from regen_service.state.queue import PROCESS_SHARD, make_celery, shard_task_name
+from regen_service.state.reclaim import Sweeper
 from regen_service.state.runinfo import check_shard_of_run
 from regen_service.state.storage import RunLayout, Storage, check_run_id
 from regen_service.work.intake import IntakeStep
@@ -58,6 +59,7 @@ class WorkerApp:
         self.config = config
         self.exit_code = 0  # set by EndpointRecovery before it asks Celery to shut down
         self.presence: Presence | None = None
+        self.sweeper: Sweeper | None = None
         self._runtime: WorkerRuntime | None = None
         self._runtime_lock = threading.Lock()  # Celery's thread pool runs the first tasks at once
         self.recovery = EndpointRecovery(self)
@@ -78,6 +80,8 @@ class WorkerApp:
                 self.presence = Presence(
                     self.settings, self.config.hostname or "regen", self.config.endpoints
                 )
+                # Every worker takes part in giving a dead worker's shards back (one at a time).
+                self.sweeper = Sweeper(self.settings, self.app)
             return self._runtime
 
     def set_presence(self, state: str, reason: str = "") -> None:
@@ -89,6 +93,8 @@ class WorkerApp:
             self._runtime.close()
         if self.presence is not None:
             self.presence.close()
+        if self.sweeper is not None:
+            self.sweeper.close()
 
     def run_task(self, task: Task, run_id: str, shard_id: int, redo_errors: str | None) -> dict:
         settings = self.settings
