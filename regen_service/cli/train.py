@@ -114,6 +114,12 @@ def train_cmd(
         click.echo(format_table(summary["eval"], summary.get("best")), err=True)
     click.echo(json.dumps(summary, default=str))
     sys.stdout.flush()
+    if summary.get("unannounced_shards"):
+        # Not "done": the ledger lost these shards' events, so this trainer never saw them.
+        raise click.ClickException(
+            f"shards {summary['unannounced_shards']} of run {run_id} are finished in storage but were never "
+            f"on its event stream (Redis lost them): run `regen resume {run_id}`, then train again"
+        )
 
 
 @main.command("make-tiny-target")

@@ -16,7 +16,9 @@ shard. Keys, all under the settings' key prefix P:
     P:run:<rid>:srcfailed           hash: "<shard>|<source>" -> prompts failed from that source
     P:run:<rid>:srctokens           hash: "<shard>|<source>" -> completion tokens from that source
     P:run:<rid>:rate                hash: "<unix second>[|<source>]" -> tokens finished then (last ~5 min)
-    P:run:<rid>:events              stream of {type: shard_done|run_done, ...}
+    P:run:<rid>:events              stream of {type: shard_done|run_done, ...}     } read and written in
+    P:run:<rid>:announced           set: shards (and "run") already on the stream  } state/events.py
+    P:sweep:lock, P:sweep:seen      the dead-holder sweep's (state/reclaim.py)
     P:lease:<rid>:<shard>           string: owner token, with a TTL renewed by the holder's heartbeat
 """
 
@@ -35,6 +37,7 @@ import redis
 
 from regen_service.errors import LedgerUnreachableError
 from regen_service.settings import Settings
+from regen_service.state import events
 from schemas.records import RunManifest, ShardDoneEvent
 
 SHARD_STATES = ("queued", "running", "done", "failed")
@@ -43,11 +46,6 @@ RATE_WINDOW_S = 300
 # Release a lease only if we still hold it; extend likewise (compare-and-set in one round trip).
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 _EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
-# Mark a shard done exactly once: returns 1 the first time, 0 when it already was done.
-_MARK_DONE = (
-    "if redis.call('hget', KEYS[1], ARGV[1]) == 'done' then return 0 end "
-    "redis.call('hset', KEYS[1], ARGV[1], 'done') return 1"
-)
 
 
 @dataclass(frozen=True)
@@ -96,14 +94,17 @@ class Ledger:
         self.p = settings.key_prefix
         self._release = self.r.register_script(_RELEASE)
         self._extend = self.r.register_script(_EXTEND)
-        self._mark_done = self.r.register_script(_MARK_DONE)
 
     # --- keys ---------------------------------------------------------------------------------------
     def run_key(self, run_id: str, suffix: str = "") -> str:
         return f"{self.p}:run:{run_id}" + (f":{suffix}" if suffix else "")
 
     def events_key(self, run_id: str) -> str:
-        return self.run_key(run_id, "events")
+        return events.events_key(self.p, run_id)
+
+    def event_stream(self, run_id: str, group: str) -> events.EventStream:
+        """A consumer group on the run's events (a trainer's view of them)."""
+        return events.EventStream(self.r, self.p, run_id, group)
 
     def lease_key(self, run_id: str, shard_id: int) -> str:
         return f"{self.p}:lease:{run_id}:{shard_id}"
@@ -258,14 +259,10 @@ class Ledger:
 
     # --- shard completion ---------------------------------------------------------------------------
     def mark_shard_done(self, event: ShardDoneEvent) -> bool:
-        """Mark the shard done and append its shard_done event, once. Returns False if it already was.
-        Readers parse the entry back with read_shard_done."""
-        first = bool(self._mark_done(keys=[self.run_key(event.run_id, "shards")], args=[str(event.shard_id)]))
-        if first:
-            self.r.xadd(self.events_key(event.run_id), {"type": "shard_done", **_flat(event.model_dump())})
-            if self.all_shards_done(event.run_id):
-                self.r.xadd(self.events_key(event.run_id), {"type": "run_done", "run_id": event.run_id})
-        return first
+        """Mark the shard done and append its shard_done event (run_done after the last), once per
+        ledger: False when it was on the stream already. Readers parse it back with read_shard_done."""
+        fields = {"type": "shard_done", **_flat(event.model_dump())}
+        return events.announce(self.r, self.p, event.run_id, event.shard_id, fields)
 
     def all_shards_done(self, run_id: str) -> bool:
         states = self.shard_states(run_id)
