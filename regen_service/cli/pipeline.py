@@ -14,11 +14,12 @@ import sys
 import click
 from pydantic import ValidationError
 
-from regen_service.cli.base import main
+from regen_service.cli.base import main, quiet_drivers
 from regen_service.errors import ConfigError
 from regen_service.produce.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.settings import Settings, redact_url
 from regen_service.state.ledger import check_reachable
+from regen_service.state.storage import check_data_root
 from schemas.mix import MixError
 
 _ENV_OF_FIELD = {
@@ -42,6 +43,7 @@ def _settings(*, need_redis: bool = False) -> Settings:
         raise click.ClickException(f"bad environment settings: {problems}") from None
     if need_redis:
         check_reachable(settings)  # LedgerUnreachableError: one line, from the regen group
+        check_data_root(settings.data_root_resolved)  # DataRootUnreachableError: likewise
     return settings
 
 
@@ -50,6 +52,7 @@ def _setup_logging(settings: Settings) -> None:
 
     install_log_scrubber()  # no log line of this process carries an API key or a URL password
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_drivers(settings.log_level)
 
 
 def _print_json(obj) -> None:
@@ -214,6 +217,7 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     check_reachable(settings)
+    check_data_root(settings.data_root_resolved)  # before the worker takes any shard
     if metrics_port:
         from prometheus_client import start_http_server
 
