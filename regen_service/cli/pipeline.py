@@ -25,7 +25,7 @@ from schemas.mix import MixError
 _ENV_OF_FIELD = {
     "redis_url": "REGEN_REDIS_URL", "data_root": "REGEN_DATA_ROOT", "key_prefix": "REGEN_KEY_PREFIX",
     "visibility_timeout_s": "REGEN_VISIBILITY_TIMEOUT_S", "lease_ttl_s": "REGEN_LEASE_TTL_S",
-    "heartbeat_s": "REGEN_HEARTBEAT_S", "log_level": "REGEN_LOG_LEVEL",
+    "heartbeat_s": "REGEN_HEARTBEAT_S", "log_level": "REGEN_LOG_LEVEL", "redis_ca_certs": "REGEN_REDIS_CA_CERTS",
 }  # fmt: skip
 
 

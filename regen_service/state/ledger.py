@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import time
 import uuid
 from collections import defaultdict
@@ -72,19 +73,48 @@ def owner_node(token: str) -> str:
 
 
 def connect(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    return redis.Redis.from_url(
+        settings.redis_url, decode_responses=True, health_check_interval=30, **settings.redis_ssl_options()
+    )
 
 
 def check_reachable(settings: Settings) -> None:
     """Raise LedgerUnreachableError (one line: where, why, how to fix) unless Redis answers a PING."""
+    where = settings.redis_url_redacted
     try:
-        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
-    except redis.RedisError as e:
+        redis.Redis.from_url(
+            settings.redis_url, socket_connect_timeout=3, socket_timeout=3, **settings.redis_ssl_options()
+        ).ping()
+    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
         raise LedgerUnreachableError(
-            f"Redis at {settings.redis_url_redacted} is not reachable ({e}). Start one "
+            f"Redis at {where} refused the password ({e}); set the one its requirepass/ACL has in "
+            "REGEN_REDIS_URL (rediss://:PASSWORD@host:port/db)"
+        ) from None
+    except redis.RedisError as e:
+        if _ssl_cause(e) is not None:
+            raise LedgerUnreachableError(
+                f"Redis at {where}: TLS failed ({_ssl_cause(e)}); point REGEN_REDIS_CA_CERTS at the CA "
+                "that signed the server's certificate, and use the host name the certificate names"
+            ) from None
+        if isinstance(e, redis.ResponseError) and str(e).split(" ", 1)[0] == "NOAUTH":  # Redis's error code
+            raise LedgerUnreachableError(
+                f"Redis at {where} wants a password: put it in REGEN_REDIS_URL (redis://:PASSWORD@host:port/db)"
+            ) from None
+        raise LedgerUnreachableError(
+            f"Redis at {where} is not reachable ({e}). Start one "
             '(redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no) or point '
             "REGEN_REDIS_URL at yours"
         ) from None
+
+
+def _ssl_cause(e: BaseException) -> ssl.SSLError | None:
+    """The TLS error under a Redis connection error, if that is what it was."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class Ledger:

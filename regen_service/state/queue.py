@@ -50,11 +50,7 @@ def celery_config(settings: Settings) -> dict:
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         # rediss:// needs explicit cert settings; requiring verification is the safe default.
-        **(
-            {"broker_use_ssl": {"ssl_cert_reqs": "required"}}
-            if settings.redis_url.startswith("rediss://")
-            else {}
-        ),
+        **({"broker_use_ssl": ssl} if (ssl := settings.redis_ssl_options()) else {}),
         "result_backend": None,
         "task_ignore_result": True,
         "task_serializer": "json",
