@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -70,13 +71,14 @@ class PrivateRedis:
                 raise ConfigError(f"redis-server on port {self.port} did not answer in {timeout_s:.0f}s")
             time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM: Redis's own shutdown (AOF flushed); SIGKILL: a crash."""
         if self.proc is not None:
-            stop(self.proc)
+            stop(self.proc, sig=sig)
             self.proc = None
 
-    def restart(self) -> None:
-        self.stop()
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        self.stop(sig)
         self.start()
 
 

@@ -240,8 +240,13 @@ def worker(endpoints, max_shards_in_hand, exit_after_no_endpoint_s, max_inflight
              f"--loglevel={settings.log_level}"]
         )  # fmt: skip
     finally:
-        if worker_app.exit_code:
-            sys.exit(worker_app.exit_code)
+        if code := worker_app.final_exit_code():
+            if not worker_app.exit_code:
+                logging.getLogger("regen.worker").error(
+                    "the Celery worker stopped on an unrecoverable error (above); exiting %d for the supervisor "
+                    "to restart it (`regen status` says what is wrong with Redis, if that is it)", code
+                )  # fmt: skip
+            sys.exit(code)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -68,6 +68,8 @@ def plain_lines(statuses: list[dict], storage_only: list[str] = ()) -> list[str]
         lines.append(run_headline(st))
         if warning := _consumer_warning(st):
             lines.append(f"  WARNING {warning}")
+        if st.get("redis_refuses_writes"):
+            lines.append(f"  WARNING {st['redis_refuses_writes']}")
         lines += failure_lines(st)
         for name, s in sorted(st["sources"].items()):
             lines.append(f"  {name}: {source_line(name, s)}")
@@ -87,6 +89,8 @@ def rich_view(statuses: list[dict], storage_only: list[str] = ()) -> Group:
         parts.append(Text(run_headline(st), style="bold"))
         if warning := _consumer_warning(st):
             parts.append(Text(f"  {warning}", style="bold red"))
+        if st.get("redis_refuses_writes"):
+            parts.append(Text(f"  {st['redis_refuses_writes']}", style="bold red"))
         parts += [Text(line, style="yellow") for line in failure_lines(st)]
         progress = Progress(
             TextColumn("  {task.description:<24}"), BarColumn(), TextColumn("{task.fields[extra]}"),

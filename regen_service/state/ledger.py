@@ -139,6 +139,24 @@ class Ledger:
     def lease_key(self, run_id: str, shard_id: int) -> str:
         return f"{self.p}:lease:{run_id}:{shard_id}"
 
+    def write_refusal(self) -> str | None:
+        """Why this Redis would refuse writes right now (maxmemory reached under noeviction, or an
+        AOF it cannot write), for `regen status`; None when it takes writes. Reads only: INFO."""
+        mem = self.r.info("memory")
+        limit, used, policy = (
+            int(mem.get("maxmemory", 0)),
+            int(mem.get("used_memory", 0)),
+            mem.get("maxmemory_policy"),
+        )
+        if limit and used >= limit and policy == "noeviction":
+            return (f"Redis is at its maxmemory ({used} of {limit} bytes, noeviction) and refuses writes: workers "
+                    "keep answering into the shard logs but cannot renew leases or finish shards until it has "
+                    "room (raise maxmemory, or free memory)")  # fmt: skip
+        pers = self.r.info("persistence")
+        if pers.get("aof_enabled") and pers.get("aof_last_write_status", "ok") != "ok":
+            return "Redis cannot write its AOF (disk full or unwritable?) and refuses writes until it can"
+        return None
+
     # --- runs ---------------------------------------------------------------------------------------
     def register_run(self, manifest: RunManifest, data_root: str, done_shards: Iterable[int] = ()) -> bool:
         """Record a run and its shards. Returns False (and changes nothing) when the run is already known."""

@@ -18,7 +18,7 @@ from regen_service.state.reclaim import dead_holder_shards
 JSON_KEYS = (
     "run_id", "state", "shards_total", "shards_done", "shards_failed", "prompts_total", "prompts_done",
     "prompts_failed", "tokens_generated", "tokens_per_s", "eta_s", "sources", "live_consumers", "workers",
-    "done_with_failures", "failed_shards", "next_step", "dead_holder_shards",
+    "done_with_failures", "failed_shards", "next_step", "dead_holder_shards", "redis_refuses_writes",
 )  # fmt: skip
 MAX_FAILED_SHARDS_SHOWN = 20
 
@@ -116,6 +116,7 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         "failed_shards": dict(list(failed_shards.items())[:MAX_FAILED_SHARDS_SHOWN]),
         "next_step": next_step,
         "dead_holder_shards": dict(list(dead.items())[:MAX_FAILED_SHARDS_SHOWN]),
+        "redis_refuses_writes": ledger.write_refusal(),
         "shards_total": len(states),
         "shards_done": states.count("done"),
         "shards_failed": states.count("failed"),

@@ -11,10 +11,13 @@ Regenerator's job; the queue plumbing is regen_service.work.worker_app's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+import redis
 
 from regen_service.errors import EndpointTerminalError, LeaseLostError
 from regen_service.produce.reuse import reused_rows
@@ -177,12 +180,20 @@ async def _answer_all(
     async def heartbeat():
         while True:
             await asyncio.sleep(settings.heartbeat_s)
-            ok = await asyncio.to_thread(ledger.extend_lease, run_id, shard_id, owner)
+            try:
+                ok = await asyncio.to_thread(ledger.extend_lease, run_id, shard_id, owner)
+            except redis.RedisError as e:
+                # Redis down or restarting: keep answering (rows go to the shard log, on storage) and
+                # try again next beat; if the lease ran out meanwhile, the next renewal says so.
+                log.warning("shard %s/%05d: lease not renewed (%s); trying again", run_id, shard_id, e)
+                continue
             if not ok:
                 lost.set()
                 return
             report = take_report(prog)  # here, on the loop that mutates prog
-            await asyncio.to_thread(write_report, ledger, run_id, shard_id, report)
+            # counters are set, not added: a report lost to an outage is carried by the next one
+            with contextlib.suppress(redis.RedisError):
+                await asyncio.to_thread(write_report, ledger, run_id, shard_id, report)
 
     async def one(record: PromptRecord):
         if record.input_ids is not None:

@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 from celery import Task
 from celery.exceptions import Reject
-from celery.signals import worker_shutdown
+from celery.signals import worker_init, worker_shutdown
 from celery.worker.request import Request
 
 from regen_service.errors import (
@@ -65,6 +65,8 @@ class WorkerApp:
         self.recovery = EndpointRecovery(self)
         self.task = _register_task(self)
         worker_shutdown.connect(self._close_runtime, weak=False)
+        self.controller = None  # Celery's WorkController, for its exit code (worker_main drops it)
+        worker_init.connect(self._keep_controller, weak=False)
         if config is not None:
             self.runtime()  # before Celery's consumer starts: its IntakeStep needs the runtime's Intake
 
@@ -83,6 +85,14 @@ class WorkerApp:
                 # Every worker takes part in giving a dead worker's shards back (one at a time).
                 self.sweeper = Sweeper(self.settings, self.app)
             return self._runtime
+
+    def _keep_controller(self, sender=None, **_kw) -> None:
+        self.controller = sender
+
+    def final_exit_code(self) -> int:
+        """Ours (no endpoint) first, else Celery's: non-zero after an unrecoverable error such as a Redis
+        that refuses writes (maxmemory under noeviction), so a supervisor sees the failure."""
+        return self.exit_code or int(getattr(self.controller, "exitcode", 0) or 0)
 
     def set_presence(self, state: str, reason: str = "") -> None:
         if self.presence is not None:

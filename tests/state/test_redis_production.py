@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -14,8 +15,8 @@ import pytest
 from regen_service.redis_server import private_redis, redis_server_binary
 from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
-from tests.e2e.test_exactly_once import output_rows, write_prompt_mix
-from tests.procs import free_port, regen_cmd, sim_server, spawn, stop, wait_run_done
+from tests.e2e.test_exactly_once import output_rows, sim_stats, write_prompt_mix
+from tests.procs import free_port, regen_cmd, sim_server, spawn, stop, wait_exit, wait_progress, wait_run_done
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server binary")
 PASSWORD = "s3cret-Pa55"
@@ -104,3 +105,86 @@ def test_password_and_tls(tmp_path):
     assert st["prompts_done"] == 20 == len({r["prompt_id"] for r in output_rows(settings, run_id)})
     for text in (status.stdout, status.stderr, (tmp_path / "w.log").read_text()):
         assert PASSWORD not in text
+
+
+def test_redis_crash_with_aof_mid_run(tmp_path):
+    """Redis SIGKILLed mid-run and started again on its AOF (appendfsync always): the worker waits
+    through the outage, status says what is wrong meanwhile, the run ends exactly once."""
+    with private_redis(tmp_path / "redis", "--appendonly", "yes", "--appendfsync", "always") as server:
+        settings = Settings(redis_url=server.url, data_root=str(tmp_path / "data"), key_prefix="regentest-aof",
+                            lease_ttl_s=6.0, heartbeat_s=1.0)  # fmt: skip
+        env = _env(settings)
+        out = _cli(("enqueue", str(write_prompt_mix(tmp_path, "aof", 60, 6)), "--json"), env)
+        assert out.returncode == 0, out.stderr
+        run_id = json.loads(out.stdout)["run_id"]
+        ledger = Ledger(settings)
+        sim_args = ("--decode-tok-s", "30", "--answer-len-mean", "20", "--max-running-requests", "8")
+        with sim_server(*sim_args) as sim:
+            w = spawn(regen_cmd("worker", "--endpoint", sim, "--max-inflight-per-endpoint", "4"), env=env,
+                      log=tmp_path / "w.log")  # fmt: skip
+            try:
+                wait_progress(lambda: (ledger.run_counters(run_id).shard_states.get(1) == "done",
+                                       ledger.run_counters(run_id).prompts_done), what="two shards",
+                              stall_s=60, procs=(w,))  # fmt: skip
+                server.stop(signal.SIGKILL)
+                down = _cli(("status", run_id), env)
+                lines = [ln for ln in down.stderr.splitlines() if ln.strip()]
+                assert down.returncode != 0 and len(lines) == 1 and "not reachable" in lines[0], down.stderr
+                wlog = tmp_path / "w.log"
+                wait_progress(lambda: ("Connection to broker lost" in wlog.read_text(), wlog.stat().st_size),
+                              what="the worker to notice", stall_s=30, procs=(w,))  # fmt: skip
+                server.start()  # same port, same directory: the AOF is replayed
+                st = wait_run_done(settings, run_id, procs=(w,), timeout_s=120)
+            finally:
+                stop(w)
+            stats = sim_stats(sim)
+    rows = output_rows(settings, run_id)
+    assert len(rows) == len({r["prompt_id"] for r in rows}) == 60 == st["prompts_done"]
+    print(f"redis crash + AOF restart: 60 prompts done once, {stats['requests_total']} asked")
+    assert stats["requests_total"] <= 60 + 4 * 2
+
+
+def test_redis_full_under_noeviction_mid_run(tmp_path):
+    """maxmemory reached under noeviction mid-run: Redis refuses every write; status says so, the worker
+    exits non-zero (Celery cannot consume), and once Redis has room again the restarted worker ends the
+    run exactly once."""
+    import redis
+
+    with private_redis(
+        tmp_path / "redis", "--appendonly", "no", "--maxmemory-policy", "noeviction"
+    ) as server:
+        settings = Settings(redis_url=server.url, data_root=str(tmp_path / "data"), key_prefix="regentest-oom",
+                            lease_ttl_s=6.0, heartbeat_s=1.0)  # fmt: skip
+        env = _env(settings)
+        out = _cli(("enqueue", str(write_prompt_mix(tmp_path, "oom", 60, 6)), "--json"), env)
+        assert out.returncode == 0, out.stderr
+        run_id = json.loads(out.stdout)["run_id"]
+        ledger = Ledger(settings)
+        admin = redis.Redis.from_url(server.url)
+        sim_args = ("--decode-tok-s", "30", "--answer-len-mean", "20", "--max-running-requests", "8")
+        with sim_server(*sim_args) as sim:
+            w = spawn(regen_cmd("worker", "--endpoint", sim, "--max-inflight-per-endpoint", "4"), env=env,
+                      log=tmp_path / "w.log")  # fmt: skip
+            try:
+                wait_progress(lambda: (ledger.run_counters(run_id).shard_states.get(1) == "done",
+                                       ledger.run_counters(run_id).prompts_done), what="two shards",
+                              stall_s=60, procs=(w,))  # fmt: skip
+                admin.config_set("maxmemory", 1)  # full: every write is refused from now on
+                full = _cli(("status", run_id), env)
+                assert full.returncode == 0 and "refuses writes" in full.stdout, full.stdout + full.stderr
+                # Celery's consumer cannot run on a Redis that refuses writes: the worker fails loudly,
+                # non-zero, for its supervisor; the rows it answered are in the shard logs on storage.
+                code = wait_exit(w, tmp_path / "w.log", stall_s=60)
+                assert code != 0 and "exiting 1 for the supervisor" in (tmp_path / "w.log").read_text()
+                admin.config_set("maxmemory", 0)
+                # the supervisor's restart
+                w = spawn(regen_cmd("worker", "--endpoint", sim, "--max-inflight-per-endpoint", "4"), env=env,
+                          log=tmp_path / "w2.log")  # fmt: skip
+                st = wait_run_done(settings, run_id, procs=(w,), timeout_s=120)
+            finally:
+                stop(w)
+            stats = sim_stats(sim)
+    rows = output_rows(settings, run_id)
+    assert len(rows) == len({r["prompt_id"] for r in rows}) == 60 == st["prompts_done"]
+    print(f"redis full (noeviction) mid-run: 60 prompts done once, {stats['requests_total']} asked")
+    assert stats["requests_total"] <= 60 + 4 * 2
