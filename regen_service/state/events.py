@@ -6,7 +6,7 @@ EventStream (train/consumer.py decides what to read when and what to ack). Keys,
     P:run:<rid>:events              stream of {type: shard_done|run_done, ...}
     P:run:<rid>:announced           set of shard ids (and "run") already on the stream
 
-A shard is announced once per ledger: the `announced` set is the gate, so `regen resume` after a
+A shard is announced once per ledger (until it is set to be done again): the `announced` set is the gate, so `regen resume` after a
 Redis wipe (stream, groups and set all gone) announces every finished shard again, from storage,
 and a shard finished twice (a redelivered duplicate, retry-failed) is on the stream once. run_done
 follows the last shard's entry. A consumer group that vanished with a wipe (Redis answers NOGROUP,
@@ -140,8 +140,14 @@ class EventStream:
         return last[0][1].get("type") if last else None
 
     def num_announced(self) -> int:
-        """Shards on the stream (not counting run_done)."""
-        return int(self.r.scard(self.announced)) - int(bool(self.r.sismember(self.announced, "run")))
+        """Entries on the stream (as before the announced set: what run_finished compares to the shards)."""
+        return int(self.r.xlen(self.key))
 
     def announced_shards(self) -> set[int]:
-        return {int(m) for m in self.r.smembers(self.announced) if m != "run"}
+        """Shard ids the stream's shard_done entries name, whoever wrote them (read at a trainer's end)."""
+        found: set[int] = set()
+        for _, fields in self.r.xrange(self.key):
+            sid = fields.get("shard_id", "")
+            if fields.get("type") == "shard_done" and fields.get("run_id") == self.run_id and sid.isdigit():
+                found.add(int(sid))
+        return found

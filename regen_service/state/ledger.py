@@ -19,34 +19,30 @@ shard. Keys, all under the settings' key prefix P:
     P:run:<rid>:events              stream of {type: shard_done|run_done, ...}     } read and written in
     P:run:<rid>:announced           set: shards (and "run") already on the stream  } state/events.py
     P:sweep:lock, P:sweep:seen      the dead-holder sweep's (state/reclaim.py)
-    P:lease:<rid>:<shard>           string: owner token, with a TTL renewed by the holder's heartbeat
+    P:lease:<rid>:<shard>           string: owner token, TTL renewed by its holder (state/leases.py)
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import ssl
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
 
-from regen_service.errors import LedgerUnreachableError
 from regen_service.settings import Settings
 from regen_service.state import events
+from regen_service.state.leases import LeaseKeys
+from regen_service.state.leases import owner_node as owner_node  # re-exported: callers import them here
+from regen_service.state.leases import owner_token as owner_token
+from regen_service.state.redis_client import check_reachable as check_reachable
+from regen_service.state.redis_client import connect, write_refusal
 from schemas.records import RunManifest, ShardDoneEvent
 
 SHARD_STATES = ("queued", "running", "done", "failed")
 RATE_WINDOW_S = 300
-
-# Release a lease only if we still hold it; extend likewise (compare-and-set in one round trip).
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 
 
 @dataclass(frozen=True)
@@ -62,68 +58,12 @@ class RunCounters:
     tokens_by_source: dict[str, int]
 
 
-def owner_token(node: str | None = None) -> str:
-    """A lease holder's token: its worker's node name (what presence lists), its pid, a nonce."""
-    return f"{node or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def owner_node(token: str) -> str:
-    """The node name of the worker an owner_token names."""
-    return token.rsplit("-", 2)[0]
-
-
-def connect(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.redis_url, decode_responses=True, health_check_interval=30, **settings.redis_ssl_options()
-    )
-
-
-def check_reachable(settings: Settings) -> None:
-    """Raise LedgerUnreachableError (one line: where, why, how to fix) unless Redis answers a PING."""
-    where = settings.redis_url_redacted
-    try:
-        redis.Redis.from_url(
-            settings.redis_url, socket_connect_timeout=3, socket_timeout=3, **settings.redis_ssl_options()
-        ).ping()
-    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
-        raise LedgerUnreachableError(
-            f"Redis at {where} refused the password ({e}); set the one its requirepass/ACL has in "
-            "REGEN_REDIS_URL (rediss://:PASSWORD@host:port/db)"
-        ) from None
-    except redis.RedisError as e:
-        if _ssl_cause(e) is not None:
-            raise LedgerUnreachableError(
-                f"Redis at {where}: TLS failed ({_ssl_cause(e)}); point REGEN_REDIS_CA_CERTS at the CA "
-                "that signed the server's certificate, and use the host name the certificate names"
-            ) from None
-        if isinstance(e, redis.ResponseError) and str(e).split(" ", 1)[0] == "NOAUTH":  # Redis's error code
-            raise LedgerUnreachableError(
-                f"Redis at {where} wants a password: put it in REGEN_REDIS_URL (redis://:PASSWORD@host:port/db)"
-            ) from None
-        raise LedgerUnreachableError(
-            f"Redis at {where} is not reachable ({e}). Start one "
-            '(redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no) or point '
-            "REGEN_REDIS_URL at yours"
-        ) from None
-
-
-def _ssl_cause(e: BaseException) -> ssl.SSLError | None:
-    """The TLS error under a Redis connection error, if that is what it was."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, ssl.SSLError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-class Ledger:
+class Ledger(LeaseKeys):
     def __init__(self, settings: Settings, client: redis.Redis | None = None):
         self.settings = settings
         self.r = client or connect(settings)
         self.p = settings.key_prefix
-        self._release = self.r.register_script(_RELEASE)
-        self._extend = self.r.register_script(_EXTEND)
+        self._init_leases()
 
     # --- keys ---------------------------------------------------------------------------------------
     def run_key(self, run_id: str, suffix: str = "") -> str:
@@ -136,26 +76,9 @@ class Ledger:
         """A consumer group on the run's events (a trainer's view of them)."""
         return events.EventStream(self.r, self.p, run_id, group)
 
-    def lease_key(self, run_id: str, shard_id: int) -> str:
-        return f"{self.p}:lease:{run_id}:{shard_id}"
-
     def write_refusal(self) -> str | None:
-        """Why this Redis would refuse writes right now (maxmemory reached under noeviction, or an
-        AOF it cannot write), for `regen status`; None when it takes writes. Reads only: INFO."""
-        mem = self.r.info("memory")
-        limit, used, policy = (
-            int(mem.get("maxmemory", 0)),
-            int(mem.get("used_memory", 0)),
-            mem.get("maxmemory_policy"),
-        )
-        if limit and used >= limit and policy == "noeviction":
-            return (f"Redis is at its maxmemory ({used} of {limit} bytes, noeviction) and refuses writes: workers "
-                    "keep answering into the shard logs but cannot renew leases or finish shards until it has "
-                    "room (raise maxmemory, or free memory)")  # fmt: skip
-        pers = self.r.info("persistence")
-        if pers.get("aof_enabled") and pers.get("aof_last_write_status", "ok") != "ok":
-            return "Redis cannot write its AOF (disk full or unwritable?) and refuses writes until it can"
-        return None
+        """Why this Redis would refuse writes now (maxmemory under noeviction, an AOF it cannot write)."""
+        return write_refusal(self.r)
 
     # --- runs ---------------------------------------------------------------------------------------
     def register_run(self, manifest: RunManifest, data_root: str, done_shards: Iterable[int] = ()) -> bool:
@@ -202,6 +125,8 @@ class Ledger:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(self.run_key(run_id, "shards"), str(shard_id), state)
         pipe.hdel(self.run_key(run_id, "why"), str(shard_id))
+        if state != "done":  # to be done again (retry-failed, a lost output): announced again when it is
+            pipe.srem(events.announced_key(self.p, run_id), str(shard_id))
         pipe.execute()
 
     def set_shard_failed(self, run_id: str, shard_id: int, why: str) -> None:
@@ -317,39 +242,6 @@ class Ledger:
         return bool(states) and all(s == "done" for s in states.values())
 
     # --- leases -------------------------------------------------------------------------------------
-    def acquire_lease(self, run_id: str, shard_id: int, owner: str) -> bool:
-        ttl_ms = int(self.settings.lease_ttl_s * 1000)
-        return bool(self.r.set(self.lease_key(run_id, shard_id), owner, nx=True, px=ttl_ms))
-
-    def extend_lease(self, run_id: str, shard_id: int, owner: str) -> bool:
-        ttl_ms = int(self.settings.lease_ttl_s * 1000)
-        return bool(self._extend(keys=[self.lease_key(run_id, shard_id)], args=[owner, ttl_ms]))
-
-    def release_lease(self, run_id: str, shard_id: int, owner: str) -> None:
-        self._release(keys=[self.lease_key(run_id, shard_id)], args=[owner])
-
-    def lease_holder(self, run_id: str, shard_id: int) -> str | None:
-        return self.r.get(self.lease_key(run_id, shard_id))
-
-    def leases(self, run_id: str, shard_ids: Iterable[int]) -> dict[int, tuple[str, float | None]]:
-        """Holder and seconds left of every lease held among `shard_ids`, in one round trip (left is
-        None for a lease without a TTL); shards nobody holds are absent."""
-        ids = list(shard_ids)
-        pipe = self.r.pipeline(transaction=False)
-        for sid in ids:
-            pipe.get(self.lease_key(run_id, sid))
-            pipe.pttl(self.lease_key(run_id, sid))
-        got = pipe.execute()
-        out = {}
-        for sid, holder, ttl_ms in zip(ids, got[::2], got[1::2], strict=True):
-            if holder is not None:
-                out[sid] = (holder, ttl_ms / 1000 if ttl_ms > 0 else None)
-        return out
-
-    def lease_left_s(self, run_id: str, shard_id: int) -> float | None:
-        """Seconds until the shard's lease runs out by itself; None when no lease is held."""
-        ttl_ms = self.r.pttl(self.lease_key(run_id, shard_id))
-        return ttl_ms / 1000 if ttl_ms > 0 else None
 
 
 def read_shard_done(fields: Mapping[str, str]) -> ShardDoneEvent | None:
