@@ -19,6 +19,12 @@ class LedgerUnreachableError(RegenError):
     """Redis (ledger and broker) cannot be reached; the message names the URL and how to start one."""
 
 
+class DataRootUnreachableError(RegenError):
+    """The data root cannot be used (an object store that refuses the credentials, a bucket that does
+    not exist, an endpoint that is no S3 API, a driver not installed); the message says which and how
+    to fix it."""
+
+
 class RetryableError(RegenError):
     """Worth another attempt (possibly on another endpoint): connection errors, timeouts, 5xx, stalls."""
 

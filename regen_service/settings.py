@@ -31,6 +31,8 @@ class Settings(BaseModel):
     lease_ttl_s: float = Field(default=30.0, gt=1)
     heartbeat_s: float = Field(default=5.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # CA bundle that signed a rediss:// server's certificate (a private CA); unset: the system's store
+    redis_ca_certs: str | None = None
 
     @field_validator("redis_url")
     @classmethod
@@ -54,6 +56,7 @@ class Settings(BaseModel):
             ("lease_ttl_s", "REGEN_LEASE_TTL_S"),
             ("heartbeat_s", "REGEN_HEARTBEAT_S"),
             ("log_level", "REGEN_LOG_LEVEL"),
+            ("redis_ca_certs", "REGEN_REDIS_CA_CERTS"),
         ):
             if env.get(var):
                 values[field] = env[var]
@@ -65,6 +68,16 @@ class Settings(BaseModel):
         if "://" in self.data_root:
             return self.data_root.rstrip("/")
         return str(Path(self.data_root).expanduser().resolve())
+
+    def redis_ssl_options(self) -> dict:
+        """TLS options of every Redis client (ledger, broker) for a rediss:// URL: the certificate must
+        verify (against redis_ca_certs when set); {} for redis:// and unix://."""
+        if not self.redis_url.startswith("rediss://"):
+            return {}
+        return {
+            "ssl_cert_reqs": "required",
+            **({"ssl_ca_certs": self.redis_ca_certs} if self.redis_ca_certs else {}),
+        }
 
     @property
     def redis_url_redacted(self) -> str:

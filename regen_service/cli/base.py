@@ -1,23 +1,26 @@
 """The `regen` click group; command modules attach their commands to it, and the run id check they share.
 
-Operational faults any command can meet (Redis unreachable or lost mid-command) become one-line
+Operational faults any command can meet (Redis unreachable or lost mid-command, a data root that
+cannot be used) become one-line
 errors here, in one place, instead of tracebacks.
 """
 
 from __future__ import annotations
 
+import logging
+
 import click
 import redis
 
 from regen_service import __version__
-from regen_service.errors import LedgerUnreachableError
+from regen_service.errors import DataRootUnreachableError, LedgerUnreachableError
 
 
 class RegenGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except LedgerUnreachableError as e:
+        except (LedgerUnreachableError, DataRootUnreachableError) as e:
             raise click.ClickException(str(e)) from None
         except redis.ConnectionError as e:
             raise click.ClickException(
@@ -31,6 +34,14 @@ class RegenGroup(click.Group):
 @click.version_option(__version__, prog_name="regen")
 def main() -> None:
     """regen: regenerate EAGLE-3 draft training data with the target model, through Redis and Celery."""
+
+
+def quiet_drivers(level: str) -> None:
+    """The object store's SDK says at INFO where it found credentials, on every process start: noise
+    beside regen's own lines (and a line a one-line error must not gain). DEBUG keeps it."""
+    if level != "DEBUG":
+        for name in ("aiobotocore", "botocore", "s3fs"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_id_param(_ctx, _param, value: str | None) -> str | None:

@@ -19,6 +19,7 @@ import redis
 from regen_service.errors import ConfigError
 from regen_service.localproc import free_port, regen_cmd, spawn, stop, wait_http
 from regen_service.produce.producer import enqueue
+from regen_service.redis_server import INSTALL_HINT, private_redis, redis_server_binary
 from regen_service.settings import Settings
 from regen_service.state.find_runs import demo_settings
 from regen_service.state.ledger import Ledger
@@ -74,14 +75,27 @@ def summarize(settings: Settings, run_id: str) -> str:
 
 
 def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float = 300.0) -> int:
-    t0 = time.monotonic()
+    """The demo on the Redis of settings.redis_url, or, when none answers there, on a private
+    redis-server started for it (stopped at the end); without one on PATH: one line saying how to
+    install it."""
     try:
-        redis.Redis.from_url(settings.redis_url).ping()
+        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
     except redis.RedisError as e:
-        raise ConfigError(
-            f"Redis at {settings.redis_url_redacted} is not reachable ({e}). Start one with: "
-            'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no'
-        ) from None
+        if redis_server_binary() is None:
+            raise ConfigError(
+                f"Redis at {settings.redis_url_redacted} is not reachable ({e}) and there is no redis-server "
+                f"on PATH to start a private one: install it with {INSTALL_HINT}"
+            ) from None
+        with private_redis(Path(settings.data_root_resolved) / "demo-redis", "--appendonly", "no") as server:
+            print(f"no Redis at {settings.redis_url_redacted}: started a private redis-server at {server.url} "
+                  "for this demo (stopped when it ends)", flush=True)  # fmt: skip
+            return _run_demo(settings.model_copy(update={"redis_url": server.url}), mix_path, timeout_s,
+                             private=True)  # fmt: skip
+    return _run_demo(settings, mix_path, timeout_s)
+
+
+def _run_demo(settings: Settings, mix_path: str | None, timeout_s: float, private: bool = False) -> int:
+    t0 = time.monotonic()
     mix = Path(mix_path) if mix_path else DEMO_MIX
     # The demo's runs live in a namespace of this data root's own, so demos started from two folders
     # on one Redis never see each other's ledger; `regen status` and `regen runs` look there too.
@@ -125,10 +139,10 @@ def run_demo(settings: Settings, mix_path: str | None = None, timeout_s: float =
                 raise ConfigError(f"the demo run did not finish in {timeout_s:.0f}s; see {logs}")
             time.sleep(0.5)
         print(summarize(settings, res.run_id), flush=True)
-        print(
-            f"demo finished in {time.monotonic() - t0:.1f}s; check it with: regen status {res.run_id[:8]}",
-            flush=True,
-        )
+        check = (f"its outputs stay under {settings.data_root_resolved}/runs/{res.run_id} (the private Redis goes "
+                 "with the demo; `regen runs` lists the run from storage)" if private
+                 else f"check it with: regen status {res.run_id[:8]}")  # fmt: skip
+        print(f"demo finished in {time.monotonic() - t0:.1f}s; {check}", flush=True)
         return 0 if st["state"] == "done" else 1
     finally:
         if worker is not None:

@@ -14,19 +14,20 @@ import sys
 import click
 from pydantic import ValidationError
 
-from regen_service.cli.base import main
+from regen_service.cli.base import main, quiet_drivers
 from regen_service.cli.config_options import config_option, config_values
 from regen_service.errors import ConfigError
 from regen_service.produce.data_report import DEFAULT_MAX_QUARANTINED_FRACTION, format_report, source_warnings
 from regen_service.settings import Settings, redact_url
 from regen_service.state.ledger import check_reachable
+from regen_service.state.storage import check_data_root
 from regen_service.work.worker_config import WorkerConfig
 from schemas.mix import MixError
 
 _ENV_OF_FIELD = {
     "redis_url": "REGEN_REDIS_URL", "data_root": "REGEN_DATA_ROOT", "key_prefix": "REGEN_KEY_PREFIX",
     "visibility_timeout_s": "REGEN_VISIBILITY_TIMEOUT_S", "lease_ttl_s": "REGEN_LEASE_TTL_S",
-    "heartbeat_s": "REGEN_HEARTBEAT_S", "log_level": "REGEN_LOG_LEVEL",
+    "heartbeat_s": "REGEN_HEARTBEAT_S", "log_level": "REGEN_LOG_LEVEL", "redis_ca_certs": "REGEN_REDIS_CA_CERTS",
 }  # fmt: skip
 
 
@@ -44,6 +45,7 @@ def _settings(*, need_redis: bool = False) -> Settings:
         raise click.ClickException(f"bad environment settings: {problems}") from None
     if need_redis:
         check_reachable(settings)  # LedgerUnreachableError: one line, from the regen group
+        check_data_root(settings.data_root_resolved)  # DataRootUnreachableError: likewise
     return settings
 
 
@@ -52,6 +54,7 @@ def _setup_logging(settings: Settings) -> None:
 
     install_log_scrubber()  # no log line of this process carries an API key or a URL password
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_drivers(settings.log_level)
 
 
 def _print_json(obj) -> None:
@@ -175,6 +178,7 @@ def worker(api_key_env, api_key_file, **options) -> None:
     node, endpoints = config.hostname, config.pool.endpoints
     metrics_port, metrics_address = config.metrics_port, config.metrics_address
     check_reachable(settings)
+    check_data_root(settings.data_root_resolved)  # before the worker takes any shard
     if metrics_port:
         from prometheus_client import start_http_server
 
@@ -197,8 +201,13 @@ def worker(api_key_env, api_key_file, **options) -> None:
              f"--loglevel={settings.log_level}"]
         )  # fmt: skip
     finally:
-        if worker_app.exit_code:
-            sys.exit(worker_app.exit_code)
+        if code := worker_app.final_exit_code():
+            if not worker_app.exit_code:
+                logging.getLogger("regen.worker").error(
+                    "the Celery worker stopped on an unrecoverable error (above); exiting %d for the supervisor "
+                    "to restart it (`regen status` says what is wrong with Redis, if that is it)", code
+                )  # fmt: skip
+            sys.exit(code)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

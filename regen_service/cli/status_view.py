@@ -38,6 +38,7 @@ def _state_words(st: dict) -> str:
 def failure_lines(st: dict) -> list[str]:
     """Why shards failed, and what to run next: under the headline, in text and on a terminal."""
     lines = [f"  shard {sid:>5} failed: {why}" for sid, why in st.get("failed_shards", {}).items()]
+    lines += [f"  shard {sid:>5} {why}" for sid, why in st.get("dead_holder_shards", {}).items()]
     if st.get("next_step"):
         lines.append(f"  next: {st['next_step']}")
     return lines
@@ -67,6 +68,8 @@ def plain_lines(statuses: list[dict], storage_only: list[str] = ()) -> list[str]
         lines.append(run_headline(st))
         if warning := _consumer_warning(st):
             lines.append(f"  WARNING {warning}")
+        if st.get("redis_refuses_writes"):
+            lines.append(f"  WARNING {st['redis_refuses_writes']}")
         lines += failure_lines(st)
         for name, s in sorted(st["sources"].items()):
             lines.append(f"  {name}: {source_line(name, s)}")
@@ -86,6 +89,8 @@ def rich_view(statuses: list[dict], storage_only: list[str] = ()) -> Group:
         parts.append(Text(run_headline(st), style="bold"))
         if warning := _consumer_warning(st):
             parts.append(Text(f"  {warning}", style="bold red"))
+        if st.get("redis_refuses_writes"):
+            parts.append(Text(f"  {st['redis_refuses_writes']}", style="bold red"))
         parts += [Text(line, style="yellow") for line in failure_lines(st)]
         progress = Progress(
             TextColumn("  {task.description:<24}"), BarColumn(), TextColumn("{task.fields[extra]}"),

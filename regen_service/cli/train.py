@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from regen_service.cli.base import main, run_id_param
+from regen_service.cli.base import main, quiet_drivers, run_id_param
 
 
 @main.command("train")
@@ -79,12 +79,17 @@ def train_cmd(
     """Train the EAGLE-3 draft from RUN's output shards (under torchrun: data-parallel over all ranks)."""
     from regen_service.errors import ConfigError, RegenError
     from regen_service.settings import Settings
+    from regen_service.state.ledger import check_reachable
+    from regen_service.state.storage import check_data_root
     from regen_service.train.config import TrainConfig
     from regen_service.train.loop import train_from_run
 
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_drivers(settings.log_level)
     try:
+        check_reachable(settings)  # one line each, before any weight is loaded
+        check_data_root(settings.data_root_resolved)
         cfg = TrainConfig.load(
             config_path,
             target_backend=target_backend,
@@ -114,6 +119,12 @@ def train_cmd(
         click.echo(format_table(summary["eval"], summary.get("best")), err=True)
     click.echo(json.dumps(summary, default=str))
     sys.stdout.flush()
+    if summary.get("unannounced_shards"):
+        # Not "done": the ledger lost these shards' events, so this trainer never saw them.
+        raise click.ClickException(
+            f"shards {summary['unannounced_shards']} of run {run_id} are finished in storage but were never "
+            f"on its event stream (Redis lost them): run `regen resume {run_id}`, then train again"
+        )
 
 
 @main.command("make-tiny-target")

@@ -18,7 +18,7 @@ from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger, check_reachable
 from regen_service.state.queue import PRIORITY_RESUME, make_celery, send_shard
 from regen_service.state.runinfo import done_shards_in_storage, load_manifest, resolved_mix_dict
-from regen_service.state.storage import RunLayout, Storage
+from regen_service.state.storage import RunLayout, Storage, check_data_root
 from schemas.mix import load_mix
 from schemas.records import RunManifest
 
@@ -88,6 +88,7 @@ def enqueue(
     the run before anything is queued (ConfigError naming the sources); the prepared files stay.
     With redo, an already prepared mix becomes a new run that asks every prompt again."""
     check_reachable(settings)  # before anything is written to the data root
+    check_data_root(settings.data_root_resolved)
     layout, manifest = prepare_or_load(settings, mix_path, reuse=reuse, redo=redo)
     sources = source_report(layout, manifest)
     if strict_fraction is not None and (warnings := source_warnings(sources, strict_fraction)):

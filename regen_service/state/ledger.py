@@ -16,8 +16,10 @@ shard. Keys, all under the settings' key prefix P:
     P:run:<rid>:srcfailed           hash: "<shard>|<source>" -> prompts failed from that source
     P:run:<rid>:srctokens           hash: "<shard>|<source>" -> completion tokens from that source
     P:run:<rid>:rate                hash: "<unix second>[|<source>]" -> tokens finished then (last ~5 min)
-    P:run:<rid>:events              stream of {type: shard_done|run_done, ...}
-    P:lease:<rid>:<shard>           string: owner token, with a TTL renewed by the holder's heartbeat
+    P:run:<rid>:events              stream of {type: shard_done|run_done, ...}     } read and written in
+    P:run:<rid>:announced           set: shards (and "run") already on the stream  } state/events.py
+    P:sweep:lock, P:sweep:seen      the dead-holder sweep's (state/reclaim.py)
+    P:lease:<rid>:<shard>           string: owner token, TTL renewed by its holder (state/leases.py)
 """
 
 from __future__ import annotations
@@ -30,21 +32,17 @@ from dataclasses import dataclass
 
 import redis
 
-from regen_service.errors import LedgerUnreachableError
 from regen_service.settings import Settings
+from regen_service.state import events
+from regen_service.state.leases import LeaseKeys
+from regen_service.state.leases import owner_node as owner_node  # re-exported: callers import them here
+from regen_service.state.leases import owner_token as owner_token
+from regen_service.state.redis_client import check_reachable as check_reachable
+from regen_service.state.redis_client import connect, write_refusal
 from schemas.records import RunManifest, ShardDoneEvent
 
 SHARD_STATES = ("queued", "running", "done", "failed")
 RATE_WINDOW_S = 300
-
-# Release a lease only if we still hold it; extend likewise (compare-and-set in one round trip).
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
-# Mark a shard done exactly once: returns 1 the first time, 0 when it already was done.
-_MARK_DONE = (
-    "if redis.call('hget', KEYS[1], ARGV[1]) == 'done' then return 0 end "
-    "redis.call('hset', KEYS[1], ARGV[1], 'done') return 1"
-)
 
 
 @dataclass(frozen=True)
@@ -60,40 +58,27 @@ class RunCounters:
     tokens_by_source: dict[str, int]
 
 
-def connect(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
-
-
-def check_reachable(settings: Settings) -> None:
-    """Raise LedgerUnreachableError (one line: where, why, how to fix) unless Redis answers a PING."""
-    try:
-        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
-    except redis.RedisError as e:
-        raise LedgerUnreachableError(
-            f"Redis at {settings.redis_url_redacted} is not reachable ({e}). Start one "
-            '(redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no) or point '
-            "REGEN_REDIS_URL at yours"
-        ) from None
-
-
-class Ledger:
+class Ledger(LeaseKeys):
     def __init__(self, settings: Settings, client: redis.Redis | None = None):
         self.settings = settings
         self.r = client or connect(settings)
         self.p = settings.key_prefix
-        self._release = self.r.register_script(_RELEASE)
-        self._extend = self.r.register_script(_EXTEND)
-        self._mark_done = self.r.register_script(_MARK_DONE)
+        self._init_leases()
 
     # --- keys ---------------------------------------------------------------------------------------
     def run_key(self, run_id: str, suffix: str = "") -> str:
         return f"{self.p}:run:{run_id}" + (f":{suffix}" if suffix else "")
 
     def events_key(self, run_id: str) -> str:
-        return self.run_key(run_id, "events")
+        return events.events_key(self.p, run_id)
 
-    def lease_key(self, run_id: str, shard_id: int) -> str:
-        return f"{self.p}:lease:{run_id}:{shard_id}"
+    def event_stream(self, run_id: str, group: str) -> events.EventStream:
+        """A consumer group on the run's events (a trainer's view of them)."""
+        return events.EventStream(self.r, self.p, run_id, group)
+
+    def write_refusal(self) -> str | None:
+        """Why this Redis would refuse writes now (maxmemory under noeviction, an AOF it cannot write)."""
+        return write_refusal(self.r)
 
     # --- runs ---------------------------------------------------------------------------------------
     def register_run(self, manifest: RunManifest, data_root: str, done_shards: Iterable[int] = ()) -> bool:
@@ -140,6 +125,8 @@ class Ledger:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(self.run_key(run_id, "shards"), str(shard_id), state)
         pipe.hdel(self.run_key(run_id, "why"), str(shard_id))
+        if state != "done":  # to be done again (retry-failed, a lost output): announced again when it is
+            pipe.srem(events.announced_key(self.p, run_id), str(shard_id))
         pipe.execute()
 
     def set_shard_failed(self, run_id: str, shard_id: int, why: str) -> None:
@@ -245,38 +232,16 @@ class Ledger:
 
     # --- shard completion ---------------------------------------------------------------------------
     def mark_shard_done(self, event: ShardDoneEvent) -> bool:
-        """Mark the shard done and append its shard_done event, once. Returns False if it already was.
-        Readers parse the entry back with read_shard_done."""
-        first = bool(self._mark_done(keys=[self.run_key(event.run_id, "shards")], args=[str(event.shard_id)]))
-        if first:
-            self.r.xadd(self.events_key(event.run_id), {"type": "shard_done", **_flat(event.model_dump())})
-            if self.all_shards_done(event.run_id):
-                self.r.xadd(self.events_key(event.run_id), {"type": "run_done", "run_id": event.run_id})
-        return first
+        """Mark the shard done and append its shard_done event (run_done after the last), once per
+        ledger: False when it was on the stream already. Readers parse it back with read_shard_done."""
+        fields = {"type": "shard_done", **_flat(event.model_dump())}
+        return events.announce(self.r, self.p, event.run_id, event.shard_id, fields)
 
     def all_shards_done(self, run_id: str) -> bool:
         states = self.shard_states(run_id)
         return bool(states) and all(s == "done" for s in states.values())
 
     # --- leases -------------------------------------------------------------------------------------
-    def acquire_lease(self, run_id: str, shard_id: int, owner: str) -> bool:
-        ttl_ms = int(self.settings.lease_ttl_s * 1000)
-        return bool(self.r.set(self.lease_key(run_id, shard_id), owner, nx=True, px=ttl_ms))
-
-    def extend_lease(self, run_id: str, shard_id: int, owner: str) -> bool:
-        ttl_ms = int(self.settings.lease_ttl_s * 1000)
-        return bool(self._extend(keys=[self.lease_key(run_id, shard_id)], args=[owner, ttl_ms]))
-
-    def release_lease(self, run_id: str, shard_id: int, owner: str) -> None:
-        self._release(keys=[self.lease_key(run_id, shard_id)], args=[owner])
-
-    def lease_holder(self, run_id: str, shard_id: int) -> str | None:
-        return self.r.get(self.lease_key(run_id, shard_id))
-
-    def lease_left_s(self, run_id: str, shard_id: int) -> float | None:
-        """Seconds until the shard's lease runs out by itself; None when no lease is held."""
-        ttl_ms = self.r.pttl(self.lease_key(run_id, shard_id))
-        return ttl_ms / 1000 if ttl_ms > 0 else None
 
 
 def read_shard_done(fields: Mapping[str, str]) -> ShardDoneEvent | None:

@@ -50,11 +50,7 @@ def celery_config(settings: Settings) -> dict:
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         # rediss:// needs explicit cert settings; requiring verification is the safe default.
-        **(
-            {"broker_use_ssl": {"ssl_cert_reqs": "required"}}
-            if settings.redis_url.startswith("rediss://")
-            else {}
-        ),
+        **({"broker_use_ssl": ssl} if (ssl := settings.redis_ssl_options()) else {}),
         "result_backend": None,
         "task_ignore_result": True,
         "task_serializer": "json",
@@ -104,10 +100,15 @@ def send_shard(
 
 
 def waiting_shard_ids(settings: Settings, client: redis.Redis, run_id: str) -> set[int]:
-    """Shards of this run with a message waiting in the queue's Redis lists (kombu's envelope: JSON,
-    the body base64 when body_encoding says so, the task's args first). Messages this regen did not
-    write are skipped. Delivered-but-unacked messages are not in these lists, so they do not count."""
-    found: set[int] = set()
+    """Shards of this run with a message waiting in the queue's Redis lists (see waiting_shards)."""
+    return waiting_shards(settings, client).get(run_id, set())
+
+
+def waiting_shards(settings: Settings, client: redis.Redis) -> dict[str, set[int]]:
+    """Run id -> shards with a message waiting in the queue's Redis lists (kombu's envelope: JSON, the
+    body base64 when body_encoding says so, the task's args first). Messages this regen did not write
+    are skipped. Delivered-but-unacked messages are not in these lists, so they do not count."""
+    found: dict[str, set[int]] = {}
     for key in queue_keys(settings):
         for item in client.lrange(key, 0, -1):
             try:
@@ -115,9 +116,19 @@ def waiting_shard_ids(settings: Settings, client: redis.Redis, run_id: str) -> s
                 body = msg["body"]
                 if msg.get("properties", {}).get("body_encoding") == "base64":
                     body = base64.b64decode(body)
-                args = json.loads(body)[0]
+                ref = shard_ref(json.loads(body)[0])
             except (ValueError, KeyError, IndexError, TypeError):
                 continue
-            if len(args) >= 2 and args[0] == run_id:
-                found.add(int(args[1]))
+            if ref is not None:
+                found.setdefault(ref[0], set()).add(ref[1])
     return found
+
+
+def shard_ref(args) -> tuple[str, int] | None:
+    """(run id, shard id) of a shard task's args as sent by send_shard; None for anything else."""
+    if not isinstance(args, (list, tuple)) or len(args) < 2:
+        return None
+    run_id, shard_id = args[0], args[1]
+    if not isinstance(run_id, str) or isinstance(shard_id, bool) or not isinstance(shard_id, int):
+        return None
+    return run_id, shard_id

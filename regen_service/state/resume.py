@@ -9,6 +9,7 @@ rows that exhausted their retries (terminal errors too with include_terminal) to
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
 from regen_service.settings import Settings
@@ -69,34 +70,61 @@ def _stored_run(settings: Settings, run_id: str) -> RunLayout:
     return layout
 
 
+@dataclass
+class Requeued:
+    """What queue_unheld did with each shard it was given."""
+
+    sent: list[int] = field(default_factory=list)
+    leased: list[int] = field(default_factory=list)
+    already_queued: list[int] = field(default_factory=list)
+    lease_frees_in_s: float | None = None  # the longest a held shard's lease has left (None: none held)
+
+
+def queue_unheld(
+    ledger: Ledger, app, run_id: str, shard_ids: Iterable[int], covered: Collection[int]
+) -> Requeued:
+    """Queue each of `shard_ids` that no lease holds and no message in `covered` stands for, ahead of
+    the shards of runs not yet started. `regen resume` and the dead-holder sweep (state/reclaim.py)
+    both come here, so a shard is given back the same way whoever notices it is lost.
+
+    Delivered-but-unacked messages do not count as covering a shard unless the caller knows a live
+    worker holds them: without a live lease their holder is dead, and the message would only come back
+    after the visibility timeout. Sending another is harmless: the lease and the final shard's
+    existence stop a second copy from running twice."""
+    out = Requeued()
+    ids = list(shard_ids)
+    if not ids:
+        return out
+    held = ledger.leases(run_id, ids)
+    with app.producer_or_acquire():
+        for sid in ids:
+            if sid in held:
+                out.leased.append(sid)
+                # A killed worker's lease runs out by itself: say when, so the operator knows when a
+                # second `regen resume` (or the sweep) will queue the shard.
+                left_s = held[sid][1]
+                if left_s is not None:
+                    out.lease_frees_in_s = max(out.lease_frees_in_s or 0.0, round(left_s, 1))
+            elif sid in covered:
+                out.already_queued.append(sid)
+            else:
+                ledger.set_shard_state(run_id, sid, "queued")
+                send_shard(app, run_id, sid, priority=PRIORITY_RESUME)
+                out.sent.append(sid)
+    return out
+
+
 def resume_run(settings: Settings, run_id: str) -> ResumeResult:
     layout = _stored_run(settings, run_id)
     ledger = Ledger(settings)
     done, rebuilt = restore_ledger(settings, ledger, layout)
     manifest = load_manifest(layout)
     result = ResumeResult(run_id, manifest.num_shards, len(done), ledger_rebuilt=rebuilt)
-    # Delivered-but-unacked messages do not count: without a live lease their holder is dead, and the
-    # message would only come back after the visibility timeout. Sending another is harmless (leases).
     queued = waiting_shard_ids(settings, ledger.r, run_id)
-    app = make_celery(settings)
-    with app.producer_or_acquire():
-        for shard in manifest.shards:
-            sid = shard.shard_id
-            if sid in done:
-                continue
-            if ledger.lease_holder(run_id, sid):
-                result.shards_leased.append(sid)
-                # A killed worker's lease runs out by itself: say when, so the operator knows when a
-                # second `regen resume` will queue the shard.
-                left_s = ledger.lease_left_s(run_id, sid)
-                if left_s is not None:
-                    result.lease_frees_in_s = max(result.lease_frees_in_s or 0.0, round(left_s, 1))
-            elif sid in queued:
-                result.shards_already_queued.append(sid)
-            else:
-                ledger.set_shard_state(run_id, sid, "queued")
-                send_shard(app, run_id, sid, priority=PRIORITY_RESUME)
-                result.shards_sent.append(sid)
+    todo = [s.shard_id for s in manifest.shards if s.shard_id not in done]
+    req = queue_unheld(ledger, make_celery(settings), run_id, todo, queued)
+    result.shards_sent, result.shards_leased = req.sent, req.leased
+    result.shards_already_queued, result.lease_frees_in_s = req.already_queued, req.lease_frees_in_s
     return result
 
 

@@ -13,11 +13,12 @@ from collections import defaultdict
 
 from regen_service.state.ledger import Ledger
 from regen_service.state.presence import live_workers
+from regen_service.state.reclaim import dead_holder_shards
 
 JSON_KEYS = (
     "run_id", "state", "shards_total", "shards_done", "shards_failed", "prompts_total", "prompts_done",
     "prompts_failed", "tokens_generated", "tokens_per_s", "eta_s", "sources", "live_consumers", "workers",
-    "done_with_failures", "failed_shards", "next_step",
+    "done_with_failures", "failed_shards", "next_step", "dead_holder_shards", "redis_refuses_writes",
 )  # fmt: skip
 MAX_FAILED_SHARDS_SHOWN = 20
 
@@ -99,6 +100,8 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         for sid, st in sorted(counters.shard_states.items())
         if st == "failed"
     }
+    # Shards a dead worker held: its lease still runs, or it ran out and the sweep has yet to requeue.
+    dead = dead_holder_shards(ledger, run_id, counters.shard_states, {w.get("node") for w in workers})
     next_step = None
     if done_with_failures:
         next_step = f"regen retry-failed {run_id}  (rows that exhausted their retries; --include-terminal: 4xx rows too)"
@@ -112,6 +115,8 @@ def run_status(ledger: Ledger, run_id: str, now: float | None = None) -> dict | 
         "done_with_failures": done_with_failures,
         "failed_shards": dict(list(failed_shards.items())[:MAX_FAILED_SHARDS_SHOWN]),
         "next_step": next_step,
+        "dead_holder_shards": dict(list(dead.items())[:MAX_FAILED_SHARDS_SHOWN]),
+        "redis_refuses_writes": ledger.write_refusal(),
         "shards_total": len(states),
         "shards_done": states.count("done"),
         "shards_failed": states.count("failed"),

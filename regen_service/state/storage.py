@@ -11,9 +11,12 @@ Storage is the truth of a run (the ledger in Redis is a cache of it). The layout
     runs/<run_id>/outputs/shard-00000.parquet final output shards (OUTPUT_SCHEMA)
     runs/<run_id>/outputs/parts/shard-00000/part-<ts>-<n>.parquet   durable progress inside a shard
 
-Every file is written under a temporary name in the same folder and renamed into place. Local paths
-and any fsspec URL work; on object stores (no atomic rename) the final copy is still all-or-nothing
-per object. What to write is the caller's business.
+Every file is written under a temporary name in the same folder and renamed into place on a local or
+shared file system. On object stores (S3 and its kin: no rename, a "move" is a copy and a delete) it
+is written straight to its key: one PUT, and S3 makes an object visible whole or not at all ("updates
+to a single key are atomic ... never partial or corrupt data", the AWS S3 consistency model), so a
+worker killed mid-write leaves nothing, not half a shard. What to write is the caller's business.
+`check_data_root` is the preflight every command runs before it works: one clear line, nothing written.
 
 Ids and paths from outside (a CLI argument, a Celery message, a directory listing) are untrusted:
 `check_run_id` is the one validator of run ids (the producer's own pattern: the mix name's characters,
@@ -35,7 +38,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from regen_service.errors import ConfigError
+from regen_service.errors import ConfigError, DataRootUnreachableError
 from schemas.tables import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 
 # What run_id_for produces: the mix name (schemas.mix NAME_PATTERN) + "-" + 12 hex digits. Tests and
@@ -68,15 +71,19 @@ def _check_part(part: str) -> str:
     return part
 
 
+# Stores where one PUT makes an object appear whole: written straight to the final key.
+_WHOLE_OBJECT_PUT = {"s3", "s3a", "gs", "gcs", "memory"}
+
+
 class Storage:
     """A thin wrapper over one fsspec filesystem rooted at the data root."""
 
     def __init__(self, root: str):
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.root = self.root.rstrip("/")
-        self.is_local = "file" in (
-            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        )
+        protocols = set(self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.is_local = "file" in protocols
+        self.whole_object_put = bool(protocols & _WHOLE_OBJECT_PUT)
         self.url = root
 
     def path(self, *parts: str) -> str:
@@ -95,6 +102,9 @@ class Storage:
         return sorted(self.fs.ls(path, detail=False))
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        if self.whole_object_put:  # visible whole or not at all (module docstring); no folders either
+            self.fs.pipe_file(path, data)
+            return
         parent = path.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
         tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}"
@@ -141,6 +151,50 @@ class Storage:
     def remove(self, path: str, recursive: bool = False) -> None:
         if self.fs.exists(path):
             self.fs.rm(path, recursive=recursive)
+
+
+def check_data_root(url: str) -> None:
+    """DataRootUnreachableError (one line: what, why, how to fix) unless the data root answers a
+    listing. Local paths pass (they are made on first write). Reads only: nothing is written."""
+    if "://" not in url or url.startswith("file://"):
+        return
+    fix = ("check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), AWS_ENDPOINT_URL for an "
+           "S3-compatible store, and the bucket in REGEN_DATA_ROOT")  # fmt: skip
+    try:
+        storage = Storage(url)
+        bucket, _, key = storage.root.partition("/")
+        if hasattr(storage.fs, "call_s3"):  # s3fs: one LIST of at most one key under the root
+            storage.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)
+        else:
+            storage.fs.ls(bucket)
+    except ImportError as e:  # fsspec names the package a protocol needs
+        raise DataRootUnreachableError(f"data root {url}: {e} (for s3:// install regen[s3])") from None
+    except FileNotFoundError as e:
+        if _s3_error_code(e) != "NoSuchBucket":  # a 404 without S3's error body: no S3 API answered
+            raise DataRootUnreachableError(
+                f"data root {url}: the endpoint answered 404 without an S3 error (is the endpoint an S3 API?); {fix}"
+            ) from None
+        raise DataRootUnreachableError(
+            f"data root {url}: the bucket {url.split('://', 1)[1].split('/', 1)[0]!r} does not exist; {fix}"
+        ) from None
+    except PermissionError as e:
+        raise DataRootUnreachableError(f"data root {url}: access refused ({_first_line(e)}); {fix}") from None
+    except Exception as e:  # an endpoint that is no object store answers anything at all
+        raise DataRootUnreachableError(
+            f"data root {url} cannot be listed ({type(e).__name__}: {_first_line(e)}); is the endpoint an S3 "
+            f"API? {fix}"
+        ) from None
+
+
+def _s3_error_code(e: BaseException) -> str | None:
+    """The S3 error code (NoSuchBucket, AccessDenied, ...) s3fs's error carries from botocore, if any."""
+    response = getattr(e.__cause__, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ Exactly-once across kills and several trainers rests on four rules:
 - entries another consumer left pending longer than `claim_idle_s` are taken over (XAUTOCLAIM);
 - while training, a keepalive thread re-claims our own pending entries (only those still ours,
   checked in one Lua call), so a live but slow trainer's shard is never taken over.
+Redis may be lost under a trainer (wiped, restarted empty): the stream's group is made again
+(state/events.py), entries held from before count as ours, and the trainer never ends while a shard
+finished in storage was never on the stream (it waits, saying why, for `regen resume`; without
+--follow it ends listing them, not "done"). Every Redis call is state/events.py's.
 New entries are read one at a time, when the trainer is ready for them, so trainers sharing a
 group split the run fairly. The training itself, and which shards count as consumed, is train.py's.
 """
@@ -17,27 +21,17 @@ import hashlib
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import pydantic
 import redis
 
 from regen_service.state.ledger import Ledger, read_shard_done
+from regen_service.state.runinfo import done_shards_in_storage
+from regen_service.state.storage import RunLayout, Storage
 
 log = logging.getLogger(__name__)
-
-# Re-claim (resetting idle time) each given id that is still pending for this consumer.
-_KEEPALIVE = """
-local out = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    table.insert(out, ARGV[i])
-  end
-end
-return out
-"""
 
 
 @dataclass(frozen=True)
@@ -47,6 +41,7 @@ class ShardRef:
     shard_id: int
     path: str
     num_rows: int
+    generation: int = 0  # the stream's generation it came from (a Redis wipe starts a new one)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -68,24 +63,23 @@ class ShardFeed:
         consumer: str = "trainer",
         claim_idle_s: float = 600.0,
         poll_s: float = 2.0,
+        storage: Storage | None = None,
     ):
-        self.ledger, self.r, self.run_id = ledger, ledger.r, run_id
-        self.key = ledger.events_key(run_id)
-        self.group, self.consumer = group, consumer
+        self.ledger, self.run_id = ledger, run_id
+        self.stream = ledger.event_stream(run_id, group)
+        self.consumer = consumer
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.poll_s = poll_s
+        # Storage is the truth: the run's finished shards are its output files, whatever Redis lost.
+        self.layout = RunLayout(storage, run_id) if storage is not None else None
         self.queue: list[ShardRef] = []
         self.held: dict[str, ShardRef] = {}  # delivered to us, not acked
         self._lock = threading.Lock()
         self._started_pending = False
         self.lost: set[str] = set()  # entries taken over by another consumer while we held them
-        self._keepalive = self.r.register_script(_KEEPALIVE)
+        self.unannounced: list[int] = []  # finished in storage, never on the stream (set at the end)
+        self._said_at = 0.0
         self._stop = threading.Event()
-        try:
-            self.r.xgroup_create(self.key, group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
         self._thread = threading.Thread(target=self._keepalive_loop, daemon=True, name="shard-keepalive")
         self._thread.start()
 
@@ -98,8 +92,7 @@ class ShardFeed:
                 refs.append(ref)
             else:  # run_done, deleted or malformed entries, anything else: nothing to train
                 other.append(entry_id)
-        if other:
-            self.r.xack(self.key, self.group, *other)
+        self.stream.ack(other)
         with self._lock:
             for ref in refs:
                 self.held[ref.entry_id] = ref
@@ -121,32 +114,24 @@ class ShardFeed:
             return None
         if event is None or event.run_id != self.run_id:
             return None
-        return ShardRef(entry_id, event.run_id, event.shard_id, event.path, event.num_rows)
+        return ShardRef(
+            entry_id, event.run_id, event.shard_id, event.path, event.num_rows, self.stream.generation
+        )
 
     def _own_pending(self) -> list[ShardRef]:
         out, last = [], "0"
-        while True:
-            resp = self.r.xreadgroup(self.group, self.consumer, {self.key: last}, count=100)
-            entries = resp[0][1] if resp else []
-            if not entries:
-                return out
+        while entries := self.stream.read_pending(self.consumer, last):
             last = entries[-1][0]
             out += self._take(entries)
+        return out
 
     def _claim_stale(self) -> list[ShardRef]:
         out, start = [], "0-0"
         while True:
-            resp = self.r.xautoclaim(
-                self.key, self.group, self.consumer, self.claim_idle_ms, start_id=start, count=50
-            )
-            start, entries = resp[0], resp[1]
-            out += self._take([e for e in entries if e is not None])
+            start, entries = self.stream.claim_stale(self.consumer, self.claim_idle_ms, start)
+            out += self._take(entries)
             if start in ("0-0", b"0-0"):
                 return out
-
-    def _read_new(self, block_ms: int | None) -> list[ShardRef]:
-        resp = self.r.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=1, block=block_ms)
-        return self._take(resp[0][1]) if resp else []
 
     def _refill(self, block_ms: int | None) -> None:
         if not self._started_pending:
@@ -155,7 +140,7 @@ class ShardFeed:
         if not self.queue:
             self.queue += self._claim_stale()
         if not self.queue:
-            self.queue += self._read_new(block_ms)
+            self.queue += self._take(self.stream.read_new(self.consumer, block_ms))
 
     def next(self, follow: bool) -> ShardRef | None:
         """The next shard to train, or None once there is none (now; with follow: ever)."""
@@ -164,59 +149,90 @@ class ShardFeed:
             self._refill(None)
             if self.queue:
                 return self.queue.pop(0)
-            if not follow:
-                return None
-            if finished and self._others_pending() == 0:
-                return None
+            if not follow or (finished and self._others_pending() == 0):
+                # Before "no more": every shard finished in storage must have been on the stream. One
+                # that is not was lost with the ledger; ending now would leave it untrained in silence.
+                self.unannounced = self._unannounced()
+                if not self.unannounced or not follow:
+                    return None
+            self._say_why_waiting()
             self._refill(int(self.poll_s * 1000))
             if self.queue:
                 return self.queue.pop(0)
 
     # --- run state ----------------------------------------------------------------------------------
     def run_finished(self) -> bool:
-        last = self.r.xrevrange(self.key, count=1)
-        if last and last[0][1].get("type") == "run_done":
+        if self.stream.last_type() == "run_done":
             return True
-        # the ledger's word; the stream must also hold an entry per shard (mark_shard_done sets the
-        # state before it appends the event)
+        # the ledger's word; the stream must also hold an entry per shard (announced with the done mark)
         states = self.ledger.shard_states(self.run_id)
-        return self.ledger.all_shards_done(self.run_id) and self.r.xlen(self.key) >= len(states)
+        return self.ledger.all_shards_done(self.run_id) and self.stream.num_announced() >= len(states)
+
+    def _unannounced(self) -> list[int]:
+        if self.layout is None:
+            return []
+        return sorted(done_shards_in_storage(self.layout) - self.stream.announced_shards())
+
+    def _say_why_waiting(self, every_s: float = 60.0) -> None:
+        """--follow waits as long as the run is not done: say why, once a minute, never in silence."""
+        now = time.monotonic()
+        if now - self._said_at < every_s:
+            return
+        first = not self._said_at
+        self._said_at = now
+        if self.ledger.run_record(self.run_id) is None:
+            log.warning("run %s is not in the ledger (Redis wiped or restarted empty?): waiting for "
+                        "`regen resume %s` to rebuild it from storage", self.run_id, self.run_id)  # fmt: skip
+        elif self.unannounced:
+            log.warning("shards %s of run %s are finished in storage but not on its event stream: waiting for "
+                        "`regen resume %s` to announce them", self.unannounced, self.run_id, self.run_id)  # fmt: skip
+        elif not first:
+            states = list(self.ledger.shard_states(self.run_id).values())
+            log.info("waiting for run %s: %d of %d shards done, %d announced", self.run_id,
+                     states.count("done"), len(states), self.stream.num_announced())  # fmt: skip
 
     def _others_pending(self) -> int:
-        total = int(self.r.xpending(self.key, self.group)["pending"])
+        total = self.stream.pending()
         with self._lock:
-            return total - len(self.held)
+            return total - sum(1 for r in self.held.values() if r.generation == self.stream.generation)
 
     def group_pending(self) -> int:
-        return int(self.r.xpending(self.key, self.group)["pending"])
+        return self.stream.pending()
 
     # --- acks and keepalive -------------------------------------------------------------------------
     def ack(self, keys: set[tuple[str, int]]) -> int:
         """Ack every held entry whose shard is in `keys` (shards a written checkpoint lists)."""
         with self._lock:
-            ids = [eid for eid, ref in self.held.items() if ref.key in keys]
-            for eid in ids:
-                del self.held[eid]
-        return int(self.r.xack(self.key, self.group, *ids)) if ids else 0
+            refs = [ref for ref in self.held.values() if ref.key in keys]
+            for ref in refs:
+                del self.held[ref.entry_id]
+        # Entries of a stream Redis lost are gone with it: nothing left to ack.
+        return self.stream.ack([r.entry_id for r in refs if r.generation == self.stream.generation])
 
     def still_ours(self, ref: ShardRef) -> bool:
-        """Checked before a shard is recorded as consumed: one taken over must not count here."""
+        """Checked before a shard is recorded as consumed: one taken over must not count here. One
+        delivered before Redis lost the stream was ours alone: nobody can have taken it since."""
         if ref.entry_id in self.lost:
             return False
-        return bool(self._keepalive(keys=[self.key], args=[self.group, self.consumer, ref.entry_id]))
+        if ref.generation != self.stream.generation:
+            return True
+        return bool(self.stream.keepalive(self.consumer, [ref.entry_id]))
 
     def _keepalive_loop(self) -> None:
         interval = max(0.2, self.claim_idle_ms / 4000)
         while not self._stop.wait(interval):
             with self._lock:
-                ids = list(self.held)
+                gen = self.stream.generation
+                ids = [eid for eid, ref in self.held.items() if ref.generation == gen]
             if not ids:
                 continue
             try:
-                kept = set(self._keepalive(keys=[self.key], args=[self.group, self.consumer, *ids]))
+                kept = set(self.stream.keepalive(self.consumer, ids))
             except redis.RedisError as e:
                 log.warning("keepalive of pending shards failed: %s", e)
                 continue
+            if self.stream.generation != gen:
+                continue  # the stream was lost under us: those ids are no one's now
             with self._lock:
                 lost = [i for i in ids if i not in kept and i in self.held]
                 for i in lost:

@@ -157,6 +157,9 @@ def register_run(settings: Settings, run_id: str, num_shards: int, rows_per_shar
         sources={},
     )  # fmt: skip
     ledger.register_run(manifest, settings.data_root_resolved)
+    # The manifest on the data root too, as enqueue leaves it: `regen resume` rebuilds the run from it.
+    layout = RunLayout(Storage(settings.data_root_resolved), run_id)
+    layout.storage.write_json_atomic(layout.manifest_path, manifest.model_dump(mode="json"))
     return ledger
 
 

@@ -125,7 +125,9 @@ class _Run:
         if ctx.is_main:
             ledger = Ledger(settings)
             name = consumer or default_consumer_name(str(self.out))
-            self.feed = ShardFeed(ledger, run_id, group, name, cfg.data.claim_idle_s, cfg.data.poll_s)
+            self.feed = ShardFeed(
+                ledger, run_id, group, name, cfg.data.claim_idle_s, cfg.data.poll_s, self.storage
+            )
             rec = ledger.run_record(run_id)
             num_shards = int(rec["num_shards"]) if rec and rec.get("num_shards") else None
             if total is None:
@@ -276,6 +278,8 @@ class _Run:
                 "checkpoint": latest.read_text().strip() if latest.exists() else None,
                 "vocab": self.vocab_stats,
                 "bad_shards": len(self.bad_shards),
+                # finished in storage, never on the stream (Redis lost them): not "done" while any
+                "unannounced_shards": self.feed.unannounced if self.feed is not None else [],
                 **self.mon.summary(),
             }
         )

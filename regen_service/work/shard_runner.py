@@ -11,15 +11,12 @@ once. Talking to endpoints is the Regenerator's job; the queue plumbing is regen
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
 from regen_service.errors import EndpointTerminalError, LeaseLostError
-from regen_service.state.ledger import Ledger
+from regen_service.state.ledger import Ledger, owner_token
 from regen_service.state.progress import Progress, announce_done, mark_done_from_file, record_progress
 from regen_service.state.reuse_map import reused_rows
 from regen_service.state.runinfo import load_run_mix
@@ -65,10 +62,6 @@ def top_errors(rows: list[OutputRow], n: int = 3) -> list[tuple[str, int]]:
     """The shard's most frequent row errors, as `class: reason` lines with their counts."""
     reasons = Counter(f"{r.error_class or 'error'}: {one_line(r.error, 100)}" for r in rows if r.error)
     return reasons.most_common(n)
-
-
-def owner_token(hostname: str | None = None) -> str:
-    return f"{hostname or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 def process_shard(

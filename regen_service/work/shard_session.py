@@ -12,7 +12,11 @@ pending and writing the final shard are shard_runner.py's; talking to endpoints 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass, field
+
+import redis
 
 from regen_service.errors import LeaseLostError
 from regen_service.state.ledger import Ledger
@@ -22,6 +26,8 @@ from regen_service.work.metrics import count_row
 from regen_service.work.regenerate import Regenerator
 from regen_service.work.runtime import InflightBudget, WorkerRuntime
 from schemas.conversation import PromptRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,12 +71,22 @@ class ShardSession:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.runtime.settings.heartbeat_s)
-            ok = await asyncio.to_thread(self.ledger.extend_lease, self.run_id, self.shard_id, self.owner)
+            try:
+                ok = await asyncio.to_thread(self.ledger.extend_lease, self.run_id, self.shard_id, self.owner)
+            except redis.RedisError as e:
+                # Redis down or restarting: keep answering (rows go to the shard log, on storage) and
+                # try again next beat; if the lease ran out meanwhile, the next renewal says so.
+                log.warning(
+                    "shard %s/%05d: lease not renewed (%s); trying again", self.run_id, self.shard_id, e
+                )
+                continue
             if not ok:
                 self.lost.set()
                 return
             report = take_report(self.progress)  # here, on the loop that mutates progress
-            await asyncio.to_thread(write_report, self.ledger, self.run_id, self.shard_id, report)
+            # counters are set, not added: a report lost to an outage is carried by the next one
+            with contextlib.suppress(redis.RedisError):
+                await asyncio.to_thread(write_report, self.ledger, self.run_id, self.shard_id, report)
 
     async def _answer(self, record: PromptRecord) -> None:
         if record.input_ids is not None:

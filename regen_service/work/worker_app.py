@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 from celery import Task
 from celery.exceptions import Reject
-from celery.signals import worker_shutdown
+from celery.signals import worker_init, worker_shutdown
 from celery.worker.request import Request
 
 from regen_service.errors import (
@@ -36,6 +36,7 @@ from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.presence import Presence
 from regen_service.state.queue import PROCESS_SHARD, make_celery, shard_task_name
+from regen_service.state.reclaim import Sweeper
 from regen_service.state.runinfo import check_shard_of_run
 from regen_service.state.storage import RunLayout, Storage, check_run_id
 from regen_service.work.intake import IntakeStep
@@ -59,11 +60,14 @@ class WorkerApp:
         self.config = config
         self.exit_code = 0  # set by EndpointRecovery before it asks Celery to shut down
         self.presence: Presence | None = None
+        self.sweeper: Sweeper | None = None
         self._runtime: WorkerRuntime | None = None
         self._runtime_lock = threading.Lock()  # Celery's thread pool runs the first tasks at once
         self.recovery = EndpointRecovery(self)
         self.task = _register_task(self)
         worker_shutdown.connect(self._close_runtime, weak=False)
+        self.controller = None  # Celery's WorkController, for its exit code (worker_main drops it)
+        worker_init.connect(self._keep_controller, weak=False)
         if config is not None:
             self.runtime()  # before Celery's consumer starts: its IntakeStep needs the runtime's Intake
 
@@ -79,7 +83,17 @@ class WorkerApp:
                 self.presence = Presence(
                     self.settings, self.config.hostname or "regen", self.config.pool.endpoints
                 )
+                # Every worker takes part in giving a dead worker's shards back (one at a time).
+                self.sweeper = Sweeper(self.settings, self.app)
             return self._runtime
+
+    def _keep_controller(self, sender=None, **_kw) -> None:
+        self.controller = sender
+
+    def final_exit_code(self) -> int:
+        """Ours (no endpoint) first, else Celery's: non-zero after an unrecoverable error such as a Redis
+        that refuses writes (maxmemory under noeviction), so a supervisor sees the failure."""
+        return self.exit_code or int(getattr(self.controller, "exitcode", 0) or 0)
 
     def set_presence(self, state: str, reason: str = "") -> None:
         if self.presence is not None:
@@ -90,6 +104,8 @@ class WorkerApp:
             self._runtime.close()
         if self.presence is not None:
             self.presence.close()
+        if self.sweeper is not None:
+            self.sweeper.close()
 
     def run_task(self, task: Task, run_id: str, shard_id: int, redo_errors: str | None) -> dict:
         settings = self.settings
