@@ -33,13 +33,19 @@ def make_tiny_target(
     kv_heads: int = 2,
     seed: int = 0,
     embed_scale: float = 1.0,
-    logit_scale: float = 1.0,
+    logit_scale: float = 30.0,
 ) -> Path:
     """embed_scale > 1 makes the token's own embedding dominate the residual stream, so the random
     model's next token depends mostly on the current token and less on the context (a structured,
     learnable target; with 1.0 its greedy text is close to noise). logit_scale > 1 sharpens its
     next-token distribution: a random head spreads it near uniformly over the vocabulary (entropy
-    ~ln V), where trained LLMs put most mass on a few tokens, which is what soft targets learn from."""
+    ~ln V), where trained LLMs put most mass on a few tokens, which is what soft targets learn from.
+
+    The default logit_scale 30 gives the tiny target a real LM's next-token entropy: measured on the CPU
+    over random prompts of the demo vocabulary (V = 6000, ln V = 8.70 nats), 8.69 nats at logit_scale 1
+    (flat), 7.40 at 10, 4.40 at 20, 2.35 at 30 (embed_scale 1, 10 or 30 alike); a 42M code LM trained on
+    real Python reads 2.5 nats per token on held-out code and Llama 2 7B / Llama 3 8B about 2.2 / 2.1 nats
+    per WikiText word (docs/quality.md). Scaling the head leaves every argmax, so greedy text, unchanged."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
