@@ -66,7 +66,8 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from regen_service.train import offline, quality, small_target, specdecode
+    from regen_service.bench import quality
+    from regen_service.train import offline, small_target, specdecode
     from regen_service.train.config import TrainConfig
     from regen_service.train.dist import init_distributed
     from regen_service.train.eval_set import EvalSample, split_of
@@ -114,7 +115,7 @@ def main() -> int:
                 report_to=["none"], total_steps=a.steps)  # fmt: skip
     cfg0 = TrainConfig(**base)
     sampling = {"temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens}
-    n_prompts = int(max(sizes) / (1 - cfg0.eval_fraction) * 1.03) + 64
+    n_prompts = int(max(sizes) / (1 - cfg0.evaluation.eval_fraction) * 1.03) + 64
     t0 = time.perf_counter()
     runs = quality.make_runs(work, held_files, tok, target.model, dev, n_prompts, sampling)
     storage = runs.pop("storage")
@@ -125,7 +126,9 @@ def main() -> int:
     if len(common) < sizes[0]:
         raise ConfigError(f"only {len(common)} prompts to train on, fewer than the smallest size {sizes[0]}")
     sizes = [min(s, len(common)) for s in sizes]
-    evalset = offline.eval_samples(data["regen"][1], cfg0.eval_max_samples, cfg0.eval_max_length)
+    evalset = offline.eval_samples(
+        data["regen"][1], cfg0.evaluation.eval_max_samples, cfg0.evaluation.eval_max_length
+    )
     dp, dsrc, _ = quality.heldout_prompts(storage, runs["regen"], split_of(cfg0), tok, a.decode_prompts)
     res.emit({"stage": "splits", "train_prompts": len(common), "sizes": sizes, "eval_samples": len(evalset),
               "decode_prompts": len(dp)})  # fmt: skip
@@ -167,7 +170,7 @@ def main() -> int:
         cfg = TrainConfig(**{**base, "seed": seed})
         exs = [data[kind][0][pid][1] for pid in common[:size]]
         if (kind, size) not in vocabs:
-            vocabs[(kind, size)] = offline.vocab_for(exs, target.vocab_size, cfg.draft_vocab_size)
+            vocabs[(kind, size)] = offline.vocab_for(exs, target.vocab_size, cfg.model.draft_vocab_size)
         d2t, t2d, vstats = vocabs[(kind, size)]
         rec = {"key": key, "trainer": trainer, "data": kind, "size": size, "seed": seed, "steps": a.steps,
                "batch": a.batch, "lr": a.lr, "vocab": vstats}  # fmt: skip
@@ -176,9 +179,9 @@ def main() -> int:
             draft = tr.draft
         else:
             from regen_service.train.peer_specforge import train_specforge
-            from regen_service.train.train import draft_config_for
+            from regen_service.train.trainer import draft_config_for
 
-            dc = draft_config_for(target.text_config, cfg)
+            dc = draft_config_for(target.text_config, cfg.model)
             try:
                 draft, summ = train_specforge(a.specforge, target, dc, (d2t, t2d), exs, cfg, a.steps, dev)
             except Exception as e:

@@ -19,7 +19,7 @@ from regen_service.train import data as D
 from regen_service.train.dist import DistContext
 from regen_service.train.eval_set import EvalSample, split_of, split_table
 from regen_service.train.evaluate import evaluate
-from regen_service.train.train import DraftTrainer, draft_config_for
+from regen_service.train.trainer import DraftTrainer, draft_config_for
 from regen_service.train.vocab import VocabCounter, build_vocab, coverage
 
 
@@ -32,11 +32,11 @@ def run_examples(storage: Storage, run_id: str, renderer_factory, cfg) -> tuple[
         tr, held_tables, _ = split_table(table, split_of(cfg))
         for dest, t in [(train, tr), *[(held, h) for h in held_tables.values()]]:
             t = t.filter(t.column("error").is_null()) if "error" in t.column_names else t
-            exs, _ = D.table_examples(t, renderer_factory, cfg.max_length, "conversation")
+            exs, _ = D.table_examples(t, renderer_factory, cfg.data.max_length, "conversation")
             pids = t.column("prompt_id").to_pylist()
             srcs = t.column("source").to_pylist()
             if len(exs) != len(pids):  # a row without loss tokens was dropped: match by re-reading
-                exs = [D.table_examples(t.slice(i, 1), renderer_factory, cfg.max_length, "conversation")[0]
+                exs = [D.table_examples(t.slice(i, 1), renderer_factory, cfg.data.max_length, "conversation")[0]
                        for i in range(t.num_rows)]  # fmt: skip
                 for pid, src, e in zip(pids, srcs, exs, strict=True):
                     if e:
@@ -97,18 +97,18 @@ def train_draft(
     evalset: list[EvalSample] | None = None, pad_to: int = 128,
 ) -> tuple[DraftTrainer, dict]:  # fmt: skip
     """Train for exactly `steps` optimizer steps (cosine over `steps`); returns the trainer and a summary."""
-    if len(examples) < cfg.batch_size:
-        raise ValueError(f"{len(examples)} examples, fewer than one batch of {cfg.batch_size}")
-    tr = DraftTrainer(cfg, draft_config_for(target.text_config, cfg), target.embed_weight, ctx, steps)
+    if len(examples) < cfg.data.batch_size:
+        raise ValueError(f"{len(examples)} examples, fewer than one batch of {cfg.data.batch_size}")
+    tr = DraftTrainer(cfg, draft_config_for(target.text_config, cfg.model), target.embed_weight, ctx, steps)
     tr.set_vocab(*vocab)
-    ids = draft_ids(tr.draft) if cfg.target == "soft" else None
+    ids = draft_ids(tr.draft) if cfg.optimisation.target == "soft" else None
     t0 = time.perf_counter()
     log = []
-    for batch in batches(examples, cfg.batch_size, steps, cfg.seed):
+    for batch in batches(examples, cfg.data.batch_size, steps, cfg.data.seed):
         b = pad_batch(batch, pad_to)
         aux, tgt, dl = target.states(b["input_ids"], b["attention_mask"], ids)
         m = tr.train_batch(aux, b["input_ids"], tgt, b["loss_mask"], 1.0, dl)
-        if tr.step % cfg.log_every_steps == 0 or tr.step == steps:
+        if tr.step % cfg.tracking.log_every_steps == 0 or tr.step == steps:
             log.append(
                 {
                     "step": tr.step,
@@ -119,7 +119,7 @@ def train_draft(
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
-    summary = {"steps": tr.step, "train_s": round(train_s, 1), "epochs": round(steps * cfg.batch_size / len(examples), 2),
+    summary = {"steps": tr.step, "train_s": round(train_s, 1), "epochs": round(steps * cfg.data.batch_size / len(examples), 2),
                "log": log[-3:]}  # fmt: skip
     if evalset:
         t1 = time.perf_counter()

@@ -75,7 +75,7 @@ def train_specforge(
         rope_theta=dc.rope_theta, tie_word_embeddings=False, vocab_size=dc.vocab_size,
         draft_vocab_size=dc.draft_vocab_size, pad_token_id=0, model_type="llama",
     )  # fmt: skip
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.data.seed)
     with torch.device(device):
         draft = LlamaForCausalLMEagle3(lc, attention_backend=backend)
     draft.t2d.copy_(t2d)
@@ -83,7 +83,7 @@ def train_specforge(
     draft.embed_tokens.weight.data.copy_(target.embed_weight.to(draft.embed_tokens.weight.device))
     draft.freeze_embedding()
     draft = draft.to(device=device, dtype=torch.bfloat16)
-    model = OnlineEagle3Model(draft, length=cfg.ttt_length, attention_backend=backend)
+    model = OnlineEagle3Model(draft, length=cfg.optimisation.ttt_length, attention_backend=backend)
     model.train()
     th = TargetHead.__new__(TargetHead)  # its forward/preprocess over the target's own lm_head
     nn.Module.__init__(th)
@@ -92,13 +92,17 @@ def train_specforge(
     th.fc.weight.data.copy_(head)
     th.freeze_weights()
     th.eval()
-    strat = Eagle3TrainStrategy(model, target_head=th, ploss_decay=cfg.ttt_decay)
+    strat = Eagle3TrainStrategy(model, target_head=th, ploss_decay=cfg.optimisation.ttt_decay)
     opt = BF16Optimizer(
-        model, lr=cfg.lr, max_grad_norm=cfg.grad_clip, total_steps=steps, warmup_ratio=cfg.warmup_ratio
+        model,
+        lr=cfg.optimisation.lr,
+        max_grad_norm=cfg.optimisation.grad_clip,
+        total_steps=steps,
+        warmup_ratio=cfg.optimisation.warmup_ratio,
     )
     t0 = time.perf_counter()
     n = 0
-    for chunk in batches(examples, cfg.batch_size, steps, cfg.seed):
+    for chunk in batches(examples, cfg.data.batch_size, steps, cfg.data.seed):
         b = pad_batch(chunk, pad_to)
         aux, last = target_states(target, b["input_ids"], b["attention_mask"])
         tensors = {

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from regen_service.produce.rows import prompts_from_table
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.work.regenerate import Regenerator
 from schemas.mix import MixSpec
+from schemas.prompt_rows import prompts_from_table
 from schemas.records import RunManifest
 from schemas.rows import output_table
 

@@ -8,10 +8,10 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from regen_service.bench.quality import mix_for
 from regen_service.produce.prepare import prepare_run, run_id_for
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train.fixtures import make_tiny_target
-from regen_service.train.quality import mix_for
 from regen_service.work.local_engine import LocalEngine, hf_sampler, replay_sampler
 from regen_service.work.local_run import regenerate_run
 from schemas.rows import output_rows
@@ -60,8 +60,8 @@ def test_replayed_answers_land_as_the_same_rows(tmp_path):
     tdir = make_tiny_target(tmp_path / "t")
     tok = AutoTokenizer.from_pretrained(tdir)
     mix, storage, run_id = _run(tmp_path, tdir, "local-b")
-    from regen_service.produce.rows import prompts_from_table
     from regen_service.work.chat_template import prompt_ids
+    from schemas.prompt_rows import prompts_from_table
 
     layout = RunLayout(storage, run_id)
     answers = {}

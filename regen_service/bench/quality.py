@@ -21,13 +21,13 @@ from pathlib import Path
 import yaml
 
 from regen_service.produce.prepare import prepare_run, run_id_for
-from regen_service.produce.rows import prompts_from_table
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train import code_prompts as CP
 from regen_service.work.chat_template import prompt_ids
 from regen_service.work.local_engine import LocalEngine, hf_sampler, replay_sampler
 from regen_service.work.local_run import regenerate_run
 from schemas.mix import parse_mix
+from schemas.prompt_rows import prompts_from_table
 
 
 def balanced(pairs: list[dict], total: int, seed: int) -> list[dict]:

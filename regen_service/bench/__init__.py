@@ -1,0 +1,6 @@
+"""Benchmarks that run the whole flow in one process (produce -> work -> train), above the stages.
+
+A stage may not import another stage's downstream (tests/test_import_boundaries.py); a benchmark that
+builds prompts, regenerates them and trains on the result needs all three, so it lives here, beside the
+stages rather than inside one. scripts/bench_*.py stay thin and call into it.
+"""
