@@ -211,7 +211,8 @@ def _svg() -> bytes:
 @pytest.mark.parametrize(
     ("image", "bounds", "reason"),
     [
-        (data_url(image_bytes()[:40]), {}, "unreadable image"),
+        (data_url(image_bytes()[:40]), {}, "unreadable image (Pillow cannot identify it"),
+        (data_url(noise_png()[:6000]), {}, "unreadable image (OSError: image file is truncated"),
         (data_url(noise_png()), {"max_image_bytes": 2000}, "image too large ("),
         ("big.png", {"max_image_bytes": 200}, "bytes > max_image_bytes 200"),
         (data_url(image_bytes(size=(40, 40))), {"max_image_pixels": 1000}, "40 x 40 = 1600 pixels > max_image_pixels 1000"),

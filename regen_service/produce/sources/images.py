@@ -176,6 +176,10 @@ class ImageReader:
                     img.load()  # a full decode: truncated or corrupt data fails here
         except RowError:
             raise
+        except Image.UnidentifiedImageError:  # its message names a BytesIO object: no use in a reason
+            raise RowError(
+                f"{where}: unreadable image (Pillow cannot identify it: a corrupt or truncated header)"
+            ) from None
         except Image.DecompressionBombError as err:
             raise RowError(f"{where}: image too large ({err}; max_image_pixels {limit})") from None
         except Exception as err:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
