@@ -80,9 +80,16 @@ def run_id_for(mix: MixSpec) -> str:
     return f"{mix.name}-{h.hexdigest()[:12]}"
 
 
+def _not_json(value) -> str:
+    # image bytes (a Hugging Face Image column) as their size: str() of 20 MB would be an 80 MB repr
+    if isinstance(value, bytes | bytearray):
+        return f"<{len(value)} bytes>"
+    return str(value)
+
+
 def _raw_text(raw) -> str:
     """The row as read, for the quarantine: JSON, at most 4 KiB of UTF-8 (surrogates become '?')."""
-    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, default=str)
+    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, default=_not_json)
     return text.encode("utf-8", "replace")[:RAW_LIMIT].decode("utf-8", "ignore")
 
 

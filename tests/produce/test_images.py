@@ -176,6 +176,28 @@ def test_hugging_face_image_column(tmp_path):
     )
     names = {p.name: p.read_bytes() for p in Path(layout.images_dir).iterdir()}
     assert sorted(names.values()) == sorted(imgs)
+    # a broken image in the column: quarantined, its bytes shown by size in `raw`
+    bad = ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
+    bad = datasets.Dataset.from_list(
+        [
+            {
+                "images": [{"bytes": b"\x89PNG\r\n\x1a\n" + b"x" * 5000, "path": None}],
+                "messages": ds[0]["messages"],
+            }
+        ],
+        features=bad.features,
+    )
+    bad.to_parquet(str(tmp_path / "bad.parquet"))
+    src = {"name": "hfbad", "hf": {"path": "parquet", "data_files": "bad.parquet"}, "format": "messages"}
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bad.parquet").write_bytes((tmp_path / "bad.parquet").read_bytes())
+    (tmp_path / "b" / "ok.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
+    ok = {"name": "ok", "path": "ok.jsonl", "format": "messages"}
+    _, bad_layout = prepare(write_mix(tmp_path / "b", [src, ok], {}), tmp_path / "data2")
+    (q,) = quarantine(bad_layout)
+    assert q["reason"].startswith("images[0]: unreadable image") and "<5008 bytes>" in q["raw"], q
     for r in records(layout, manifest):
         (ref,) = r.conversation.messages[0].images
         assert ref.offset == 0 and names[ref.file_name] == imgs[r.row_index]
