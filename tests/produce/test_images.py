@@ -310,3 +310,44 @@ def test_unknown_images_setting_names_the_field(tmp_path):
     src = {"name": "x", "path": jsonl(tmp_path / "x.jsonl", [{"messages": []}]), "format": "messages"}
     with pytest.raises(MixError, match=r"images\.max_image_megabytes: unknown field"):
         load_mix(write_mix(tmp_path, [src], {"max_image_megabytes": 3}))
+
+
+def _bomb(width: int, height: int) -> bytes:
+    """A 67-byte PNG whose header claims width x height: decoding it would inflate to gigabytes."""
+    import struct
+    import zlib
+
+    data = bytearray(image_bytes(size=(1, 1)))
+    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("size", "reason"),
+    [
+        ((8000, 8000), "8000 x 8000 = 64000000 pixels > max_image_pixels 40000000"),
+        ((30000, 30000), "could be decompression bomb"),  # Pillow refuses it at open: still a reason
+    ],
+)
+def test_a_decompression_bomb_is_refused_from_its_header_at_the_default_bound(size, reason):
+    from regen_service.produce.sources.base import RowError
+    from regen_service.produce.sources.images import ImageReader
+    from schemas.media import ImagesSpec
+
+    with pytest.raises(RowError, match="image too large") as err:
+        ImageReader(ImagesSpec(), None).check(_bomb(*size), "img")
+    assert reason in err.value.reason
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kind"), [("GIF", "image/gif"), ("WEBP", "image/webp"), ("JPEG", "image/jpeg")]
+)
+def test_gif_webp_and_jpeg_are_accepted(fmt, kind):
+    from regen_service.produce.sources.images import ImageReader
+    from schemas.media import ImagesSpec
+
+    loaded = ImageReader(ImagesSpec(), None).check(image_bytes(fmt, (5, 3)), "img")
+    assert (loaded.ref.media_type, loaded.ref.width, loaded.ref.height) == (kind, 5, 3)
+    assert loaded.ref.file_name.endswith({"GIF": ".gif", "WEBP": ".webp", "JPEG": ".jpg"}[fmt])
