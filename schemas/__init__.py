@@ -14,6 +14,7 @@ from schemas.conversation import (
     ToolCall,
     compute_prompt_id,
 )
+from schemas.media import ImageRef, ImagesSpec
 from schemas.mix import (
     HFSourceSpec,
     MixSpec,
@@ -40,6 +41,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "Conversation",
     "HFSourceSpec",
+    "ImageRef",
+    "ImagesSpec",
     "Message",
     "MessageForm",
     "MixSpec",

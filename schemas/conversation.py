@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.media import ImageRef, content_parts
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -42,6 +44,9 @@ class Message(BaseModel):
     # For role "tool": the function's name and the id of the call it answers, when the dataset has them.
     name: str | None = None
     tool_call_id: str | None = None
+    # Image parts, placed in `content` by character offset (schemas.media); None for text-only turns,
+    # so their canonical JSON, and with it every text-only prompt id, is what it was before images.
+    images: tuple[ImageRef, ...] | None = None
 
     def to_dict(self, form: MessageForm) -> dict:
         """This message as a plain dict, in one of two forms that carry the same information:
@@ -51,7 +56,11 @@ class Message(BaseModel):
         - "template": the OpenAI-style dict the chat API and HF chat templates take (None fields and
           an empty tool-call list left out, since templates test keys for presence; tool calls as
           `{id, type: "function", function: {name, arguments}}`). Generation requests and the
-          trainer's renderer both use this form.
+          trainer's renderer both use this form. A message with images has its content as a list of
+          parts (schemas.media.content_parts), text and `image_url` parts in their original order.
+
+        The "arrow" form leaves `images` out: a prompt shard holds them in its own `images` column
+        (schemas.prompt_rows), so the MESSAGE struct, and text-only shards, keep their bytes.
         """
         if form == "arrow":
             calls = None
@@ -67,7 +76,8 @@ class Message(BaseModel):
             }
         if form != "template":
             raise ValueError(f"unknown message form {form!r}: 'arrow' or 'template'")
-        d: dict = {"role": self.role, "content": self.content}
+        content = content_parts(self.content, self.images) if self.images else self.content
+        d: dict = {"role": self.role, "content": content}
         if self.reasoning_content is not None:
             d["reasoning_content"] = self.reasoning_content
         if self.tool_calls:

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.media import ImagesSpec
 from schemas.yamlfile import YamlRefused, load_yaml
 
 Api = Literal["chat", "generate"]
@@ -174,6 +175,9 @@ class MixSpec(_Strict):
     shard_size: int = Field(default=256, ge=1, le=100_000)
     seed: int = 0
     sources: list[SourceSpec] = Field(min_length=1)
+    # image bounds (schemas.media.ImagesSpec); None means the defaults, and leaves the run id of a mix
+    # that does not say `images:` what it was before images existed (identity_dict)
+    images: ImagesSpec | None = None
     # where relative paths resolve; set by load_mix, not by the YAML
     base_dir: str | None = Field(default=None, exclude=True)
     _paths: MixPaths | None = PrivateAttr(default=None)
@@ -223,6 +227,17 @@ class MixSpec(_Strict):
         if isinstance(files, dict):
             return {k: self._resolve_files(v) for k, v in files.items()}
         return files
+
+    @property
+    def image_bounds(self) -> ImagesSpec:
+        return self.images or ImagesSpec()
+
+    def identity_dict(self) -> dict:
+        """What the run id hashes: the mix as JSON, without `images` when the mix does not set it."""
+        d = self.model_dump(mode="json")
+        if d.get("images") is None:
+            d.pop("images", None)
+        return d
 
     def regen_key(self) -> str:
         """What makes two answers interchangeable: model, api, sampling and regeneration settings."""

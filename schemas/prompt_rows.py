@@ -2,7 +2,9 @@
 
 The prompt side's codec, twin of schemas.rows (OutputRow <-> OUTPUT_SCHEMA): the producer writes rows
 with `prompt_row`, the worker reads them back with `prompts_from_table`, both through this one module,
-so neither stage imports the other. Messages convert through schemas.conversation.Message.to_dict /
+so neither stage imports the other. Image parts ride in their own `images` column (message index
++ schemas.media.ImageRef), present only in shards that hold images (`prompt_table`), so a text-only
+shard is written exactly as before images existed. Messages convert through schemas.conversation.Message.to_dict /
 from_dict; this module only adds the prompt shard's table on top of them. pyarrow and json only.
 """
 
@@ -13,6 +15,8 @@ import json
 import pyarrow as pa
 
 from schemas.conversation import Conversation, Message, PromptRecord
+from schemas.media import ImageRef
+from schemas.tables import PROMPT_SCHEMA, PROMPT_SCHEMA_IMAGES
 
 
 def tools_to_json(tools: tuple[dict, ...] | None) -> str | None:
@@ -45,7 +49,35 @@ def prompt_row(
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "num_dropped_parts": num_dropped_parts,
+        "images": _image_parts(conv) if conv is not None else None,
     }
+
+
+def _image_parts(conv: Conversation) -> list[dict] | None:
+    parts = [
+        {"message_index": i, **ref.model_dump()}
+        for i, m in enumerate(conv.messages)
+        for ref in m.images or ()
+    ]
+    return parts or None
+
+
+def prompt_table(rows: list[dict]) -> pa.Table:
+    """A prompt shard of `prompt_row` rows: PROMPT_SCHEMA, or PROMPT_SCHEMA_IMAGES (schema version 2)
+    when any row has an image part; pyarrow ignores the `images` key under PROMPT_SCHEMA."""
+    schema = PROMPT_SCHEMA_IMAGES if any(r.get("images") for r in rows) else PROMPT_SCHEMA
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _with_images(messages: list[Message], parts: list[dict] | None) -> list[Message]:
+    by_message: dict[int, list[ImageRef]] = {}
+    for p in parts or ():
+        fields = {k: v for k, v in p.items() if k != "message_index"}
+        by_message.setdefault(p["message_index"], []).append(ImageRef(**fields))
+    return [
+        m.model_copy(update={"images": tuple(by_message[i])}) if i in by_message else m
+        for i, m in enumerate(messages)
+    ]
 
 
 def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
@@ -53,8 +85,9 @@ def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
     for d in table.to_pylist():
         conv = None
         if d["messages"] is not None:
+            messages = [Message.from_dict(m) for m in d["messages"]]
             conv = Conversation(
-                messages=tuple(Message.from_dict(m) for m in d["messages"]),
+                messages=tuple(_with_images(messages, d.get("images"))),
                 tools=tools_from_json(d["tools"]),
             )
         out.append(

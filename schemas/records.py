@@ -15,6 +15,9 @@ class SourceStats(BaseModel):
     duplicate: int = 0
     quarantined: int = 0
     sampled_out: int = 0  # rows dropped by max_samples
+    images: int = 0  # image parts in the kept rows (mix `images:`)
+    images_stored: int = 0  # distinct images this source added to runs/<run>/images/
+    dropped_parts: int = 0  # non-text parts dropped from kept rows (video/audio; images without `images:`)
 
 
 class ShardInfo(BaseModel):

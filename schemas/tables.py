@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from schemas.media import IMAGE_PART
+
 SCHEMA_VERSION = "1"
 SCHEMA_VERSION_KEY = b"regen.schema_version"
+# A prompt shard holding images: PROMPT_SCHEMA plus an `images` column. Only such shards carry "2", so
+# text-only shards keep their bytes and a regen that predates images refuses an image shard instead of
+# reading it as text (it would drop every image silently). Readers take every version listed here.
+IMAGES_SCHEMA_VERSION = "2"
+READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, IMAGES_SCHEMA_VERSION)
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
 MESSAGE = pa.struct(
@@ -38,6 +45,11 @@ PROMPT_SCHEMA = pa.schema(
         ("num_dropped_parts", pa.int32()),
     ],
     metadata=_META,
+)
+
+# Image parts of the row's messages (schemas.media.IMAGE_PART: message index, character offset, hash, type, size).
+PROMPT_SCHEMA_IMAGES = PROMPT_SCHEMA.append(pa.field("images", pa.list_(IMAGE_PART))).with_metadata(
+    {SCHEMA_VERSION_KEY: IMAGES_SCHEMA_VERSION.encode()}
 )
 
 # One regenerated assistant turn: what the server returned for it, unchanged.

@@ -178,3 +178,45 @@ def test_media_tokens_are_named_and_image_parts_render(tok, kimi_dir):
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert ids.count(base + 21) == 2 and ids.count(base + 18) == 2  # one pad per image, as special ids
     assert tok.decode(ids, skip_special_tokens=True).count("image") == 2  # the markers are special
+
+
+def test_a_prompt_with_stored_images_renders_as_the_real_template(tok, tmp_path):
+    # A ShareGPT4V row through the real producer: the prompt shard's image parts, turned into OpenAI
+    # parts by Message.to_dict("template"), render where the `<image>` placeholders stood, one media
+    # block (and the template's newline) per image, as miles kimi_k25_fixed.jinja `render_content` does.
+    import io
+
+    import yaml
+    from PIL import Image
+
+    from regen_service.produce.prepare import prepare_run, run_id_for
+    from regen_service.state.storage import RunLayout, Storage
+    from schemas.mix import load_mix
+    from schemas.prompt_rows import prompts_from_table
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (9, 9, 9)).save(buf, "PNG")
+    (tmp_path / "a.png").write_bytes(buf.getvalue())
+    row = {
+        "images": ["a.png", "a.png"],
+        "conversations": [{"from": "human", "value": "<image>Left, <image>right?"}],
+    }
+    (tmp_path / "s.jsonl").write_text(json.dumps(row) + "\n")
+    mix_file = tmp_path / "mix.yaml"
+    mix_file.write_text(
+        yaml.safe_dump(
+            {"name": "vl", "target": {"model": "m"}, "images": {},
+             "sources": [{"name": "s", "path": "s.jsonl", "format": "sharegpt"}]}
+        )
+    )  # fmt: skip
+    mix = load_mix(mix_file)
+    storage = Storage(str(tmp_path / "data"))
+    manifest = prepare_run(mix, storage, run_id_for(mix), mix_file.read_text())
+    layout = RunLayout(storage, manifest.run_id)
+    (rec,) = prompts_from_table(storage.read_table(layout.prompt_shard(0)))
+    msgs = [m.to_dict("template") for m in rec.conversation.messages]
+    block = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>\n"
+    assert (
+        render(tok, msgs, gen=True)
+        == f"<|im_user|>user<|im_middle|>{block}Left, {block}right?<|im_end|>" + GEN
+    )

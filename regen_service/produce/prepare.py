@@ -22,13 +22,21 @@ import pyarrow as pa
 
 from regen_service.errors import ConfigError
 from regen_service.produce.reuse import plan_reuse
-from regen_service.produce.sources import BadRow, Fields, RowError, normalize, prompt_id_of, read_rows
+from regen_service.produce.sources import (
+    BadRow,
+    Fields,
+    ImageReader,
+    RowError,
+    normalize,
+    prompt_id_of,
+    read_rows,
+)
 from regen_service.produce.sources.reader import hf_kwargs
 from regen_service.state.storage import RunLayout, Storage
 from schemas.mix import MixSpec, SourceSpec
-from schemas.prompt_rows import prompt_row
+from schemas.prompt_rows import prompt_row, prompt_table
 from schemas.records import RunManifest, ShardInfo, SourceStats
-from schemas.tables import PROMPT_SCHEMA, QUARANTINE_SCHEMA
+from schemas.tables import QUARANTINE_SCHEMA
 
 RAW_LIMIT = 4096
 MIB = 1 << 20
@@ -65,16 +73,23 @@ def run_id_for(mix: MixSpec) -> str:
 
     Same mix on the same files -> same id (re-enqueueing is idempotent); edited data -> a new run.
     """
-    h = hashlib.sha256(json.dumps(mix.model_dump(mode="json"), sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(mix.identity_dict(), sort_keys=True).encode())
     for source in mix.sources:
         for path in _local_files(mix, source):
             h.update(json.dumps([source.name, _file_fingerprint(path)], sort_keys=True).encode())
     return f"{mix.name}-{h.hexdigest()[:12]}"
 
 
+def _not_json(value) -> str:
+    # image bytes (a Hugging Face Image column) as their size: str() of 20 MB would be an 80 MB repr
+    if isinstance(value, bytes | bytearray):
+        return f"<{len(value)} bytes>"
+    return str(value)
+
+
 def _raw_text(raw) -> str:
     """The row as read, for the quarantine: JSON, at most 4 KiB of UTF-8 (surrogates become '?')."""
-    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, default=str)
+    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, default=_not_json)
     return text.encode("utf-8", "replace")[:RAW_LIMIT].decode("utf-8", "ignore")
 
 
@@ -95,9 +110,40 @@ class _Reservoir:
         self.seen += 1
 
 
-def _read_source(mix: MixSpec, source: SourceSpec, stats: SourceStats, quarantine: list[dict]):
-    """(row_index, Normalized, prompt_id) for the source's valid rows, sampled, in row order."""
+def _image_reader(mix: MixSpec, source: SourceSpec) -> ImageReader | None:
+    """The source's image reader (paths relative to its file's folder), or None: a mix without an
+    `images:` section drops image parts as regen did before it read them."""
+    if mix.images is None:
+        return None
+    path = mix.paths.of(source).path
+    return ImageReader(mix.images, str(Path(path).parent) if path else mix.base_dir)
+
+
+class _ImageStore:
+    """Writes each distinct image once to runs/<run>/images/<sha256>.<ext>, as valid rows name them."""
+
+    def __init__(self, layout: RunLayout):
+        self.layout, self.stored = layout, set()
+
+    def add(self, images: dict | None, stats: SourceStats) -> None:
+        for sha, image in (images or {}).items():
+            if sha not in self.stored:
+                self.layout.storage.write_bytes_atomic(
+                    self.layout.image_path(image.ref.file_name), image.data
+                )
+                self.stored.add(sha)
+                stats.images_stored += 1
+
+
+def _read_source(
+    mix: MixSpec, source: SourceSpec, stats: SourceStats, quarantine: list[dict], store: _ImageStore
+):
+    """(row_index, Normalized, prompt_id) for the source's valid rows, sampled, in row order.
+
+    A valid row's images are stored as it is read (so no row's bytes wait in memory); a row sampled
+    out afterwards may leave an image in the store that no prompt names."""
     fields = Fields(source.fields)
+    images = _image_reader(mix, source)
     keep = _Reservoir(source.max_samples, mix.seed, source.name) if source.max_samples else None
     valid = []
     for index, raw in read_rows(mix, source):
@@ -108,12 +154,15 @@ def _read_source(mix: MixSpec, source: SourceSpec, stats: SourceStats, quarantin
             )
             continue
         try:
-            n = normalize(source, raw, fields)
+            n = normalize(source, raw, fields, images)
         except RowError as err:
             quarantine.append(
                 {"source": source.name, "row_index": index, "reason": err.reason, "raw": _raw_text(raw)}
             )
             continue
+        if n.images:
+            store.add(n.images, stats)
+            n = n._replace(images=None)
         item = (index, n, prompt_id_of(n))
         if keep is not None:
             keep.add(item)
@@ -144,14 +193,18 @@ def prepare_run(
     quarantine: list[dict] = []
     seen: set[str] = set()
     rows: list[dict] = []
+    store = _ImageStore(layout)
     for source in mix.sources:
         st = stats[source.name] = SourceStats()
-        for index, n, prompt_id in _read_source(mix, source, st, quarantine):
+        for index, n, prompt_id in _read_source(mix, source, st, quarantine, store):
             if prompt_id in seen:
                 st.duplicate += 1
                 continue
             seen.add(prompt_id)
             st.kept += 1
+            st.dropped_parts += n.num_dropped_parts
+            if n.conversation is not None:
+                st.images += sum(len(m.images or ()) for m in n.conversation.messages)
             rows.append(
                 prompt_row(
                     prompt_id=prompt_id,
@@ -178,9 +231,7 @@ def prepare_run(
     shards: list[ShardInfo] = []
     for shard_id, start in enumerate(range(0, len(rows), mix.shard_size)):
         chunk = rows[start : start + mix.shard_size]
-        storage.write_table_atomic(
-            layout.prompt_shard(shard_id), pa.Table.from_pylist(chunk, schema=PROMPT_SCHEMA)
-        )
+        storage.write_table_atomic(layout.prompt_shard(shard_id), prompt_table(chunk))
         per_source = Counter(r["source"] for r in chunk)
         shards.append(ShardInfo(shard_id=shard_id, num_prompts=len(chunk), sources=dict(per_source)))
 

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def resolved_mix_dict(mix: MixSpec) -> dict:
-    data = mix.model_dump(mode="json")
+    data = mix.identity_dict()  # a mix without `images:` writes the mix.json it wrote before images
     if mix.paths.tokenizer:
         data["target"]["tokenizer"] = mix.paths.tokenizer
     for src, spec in zip(data["sources"], mix.sources, strict=False):

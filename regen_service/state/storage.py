@@ -7,6 +7,7 @@ Storage is the truth of a run (the ledger in Redis is a cache of it). The layout
     runs/<run_id>/manifest.json               RunManifest (shards, per-source counts)
     runs/<run_id>/prompts/shard-00000.parquet prompt shards (PROMPT_SCHEMA)
     runs/<run_id>/quarantine.parquet          rows that could not be normalized, with reasons
+    runs/<run_id>/images/<sha256>.<ext>       each distinct image of the prompts, once (png|jpg|gif|webp)
     runs/<run_id>/reuse.parquet               prompt id -> (run, shard) already answering it (reuse)
     runs/<run_id>/outputs/shard-00000.parquet final output shards (OUTPUT_SCHEMA)
     runs/<run_id>/outputs/parts/shard-00000/part-<ts>-<n>.parquet   durable progress inside a shard
@@ -39,13 +40,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from regen_service.errors import ConfigError, DataRootUnreachableError
-from schemas.tables import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+from schemas.tables import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY
 
 # What run_id_for produces: the mix name (schemas.mix NAME_PATTERN) + "-" + 12 hex digits. Tests and
 # older runs use shorter names of the same characters, so the suffix is not required; no '.' or '/'.
 RUN_ID_PATTERN = re.compile(r"[a-z0-9_-]{1,128}")
 # What output_shard writes: five digits, more from shard 100000 on.
 _OUTPUT_NAME = re.compile(r"shard-(\d{5,9})\.parquet")
+_IMAGE_NAME = re.compile(r"[0-9a-f]{64}\.(png|jpg|gif|webp)")
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,8 @@ class Storage:
 
     def write_table_atomic(self, path: str, table: pa.Table) -> None:
         meta = dict(table.schema.metadata or {})
-        meta[SCHEMA_VERSION_KEY] = SCHEMA_VERSION.encode()
+        # a table that names its version keeps it (an image prompt shard says "2"); others say the default
+        meta.setdefault(SCHEMA_VERSION_KEY, SCHEMA_VERSION.encode())
         table = table.replace_schema_metadata(meta)
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
@@ -141,9 +144,9 @@ class Storage:
         with self.fs.open(path, "rb") as f:
             table = pq.read_table(f)
         version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY, b"?").decode()
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(
-                f"{path}: schema version {version}, this regen reads {SCHEMA_VERSION}; "
+                f"{path}: schema version {version}, this regen reads {', '.join(READABLE_SCHEMA_VERSIONS)}; "
                 "use the regen release that wrote it"
             )
         return table
@@ -234,6 +237,18 @@ class RunLayout:
     @property
     def outputs_dir(self) -> str:
         return f"{self.run_dir}/outputs"
+
+    @property
+    def images_dir(self) -> str:
+        return f"{self.run_dir}/images"
+
+    def image_path(self, file_name: str) -> str:
+        """runs/<run>/images/<sha256>.<ext>: one file per distinct image (schemas.media.ImageRef.file_name)."""
+        if not _IMAGE_NAME.fullmatch(file_name):
+            raise ConfigError(
+                f"refused image file name {file_name[:100]!r}: expected <sha256>.png|jpg|gif|webp"
+            )
+        return f"{self.images_dir}/{file_name}"
 
     def prompt_shard(self, shard_id: int) -> str:
         return f"{self.run_dir}/prompts/shard-{shard_id:05d}.parquet"

@@ -131,6 +131,15 @@ class Regenerator:
         t0 = time.monotonic()
         i = 0
         try:
+            if n_images := sum(len(m.images or ()) for m in messages):
+                # The request would name images by their store path (images/<sha256>.<ext>), which no
+                # server can read: the row fails, kept in the run, rather than have the target answer
+                # a question about a picture it never saw.
+                raise RowTerminalError(
+                    f"the prompt has {n_images} image part(s); this regen does not send images to the "
+                    "target yet (issue 24, requests); retry with `regen retry-failed RUN "
+                    "--include-terminal` on a regen that does"
+                )
             while i <= len(messages):
                 if i not in targets:
                     if i < len(messages):

@@ -226,3 +226,22 @@ def test_pretokenized_rows_pass_through_without_a_request():
         row = asyncio.run(go(url))
         assert httpx.get(f"{url}/sim/stats").json()["requests_total"] == 0
     assert row["input_ids"] == [1, 2, 3] and row["loss_mask"] == [0, 1, 1] and row["turns"] == []
+
+
+def test_a_prompt_with_images_is_refused_with_its_reason_and_sends_nothing():
+    from schemas.conversation import Conversation
+    from schemas.media import ImageRef
+
+    ref = ImageRef(offset=0, sha256="a" * 64, media_type="image/png", width=2, height=2, num_bytes=70)
+    conv = Conversation(messages=(Message(role="user", content="What is it?", images=(ref,)),))
+    rec = PromptRecord(prompt_id="img", source="s", row_index=0, conversation=conv)
+
+    async def go(url):
+        async with EndpointPool(fast_config([url]), MODEL) as pool:
+            return (await Regenerator(pool, make_mix()).regenerate(rec)).to_record()
+
+    with sim_server(*FAST) as url:
+        row = asyncio.run(go(url))
+        assert httpx.get(f"{url}/sim/stats").json()["requests_total"] == 0
+    assert row["error_class"] == "terminal_row" and "1 image part(s)" in row["error"]
+    assert row["turns"] == [] and row["messages"] == []  # nothing answered: nothing to train on

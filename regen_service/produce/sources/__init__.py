@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from regen_service.produce.sources import instruction, messages, pretokenized, prompt_response, sharegpt
 from regen_service.produce.sources.base import Fields, Normalized, RowError
+from regen_service.produce.sources.images import ImageReader
 from regen_service.produce.sources.reader import BadRow, read_rows
 from schemas.conversation import PromptRecord, compute_prompt_id
 from schemas.mix import SourceSpec
@@ -26,13 +27,22 @@ NORMALIZERS: dict[str, Callable[[dict, Fields], Normalized]] = {
 }
 
 
-def normalize(source_spec: SourceSpec, raw: dict, fields: Fields | None = None) -> Normalized:
-    """The format's normalizer on one row; RowError for anything it cannot use."""
+# The formats whose content can hold image parts (the others carry plain strings or token ids).
+IMAGE_FORMATS = ("sharegpt", "messages")
+
+
+def normalize(
+    source_spec: SourceSpec, raw: dict, fields: Fields | None = None, images: ImageReader | None = None
+) -> Normalized:
+    """The format's normalizer on one row; RowError for anything it cannot use. With `images`, image
+    parts are read and checked (images.py); without, they are dropped and counted."""
     if not isinstance(raw, dict):
         kind = "null" if raw is None else type(raw).__name__
         raise RowError(f"row: expected an object, got {kind}")
     fn = NORMALIZERS[source_spec.format]
     try:
+        if source_spec.format in IMAGE_FORMATS:
+            return fn(raw, fields or Fields(source_spec.fields), images)
         return fn(raw, fields or Fields(source_spec.fields))
     except RowError:
         raise
@@ -65,6 +75,7 @@ __all__ = [
     "NORMALIZERS",
     "BadRow",
     "Fields",
+    "ImageReader",
     "Normalized",
     "RowError",
     "normalize",

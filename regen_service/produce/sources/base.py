@@ -31,6 +31,8 @@ class Normalized(NamedTuple):
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
     num_dropped_parts: int = 0
+    # the row's images by sha256 (images.LoadedImage: ref and bytes), for the producer to store once
+    images: dict | None = None
 
 
 class Fields:
@@ -69,46 +71,10 @@ def check_text(value: Any, where: str, *, allow_none: bool = False) -> str | Non
     return value
 
 
-def content_text(value: Any, where: str) -> tuple[str, int]:
-    """Message content as text, and how many non-text parts were dropped.
-
-    Plain strings pass through verbatim (leading and trailing newlines included). A list of parts
-    keeps the text parts joined with no separator (the way OpenAI-style templates concatenate them)
-    and drops image/video/audio parts, which a text model cannot regenerate from. A message whose
-    parts were all non-text is an error: answering it without the image would teach the draft
-    answers to questions nobody asked.
-    """
-    if value is None:
-        return "", 0
-    if isinstance(value, str):
-        return check_text(value, where), 0
-    if not isinstance(value, list):
-        raise RowError(f"{where}: expected a string or a list of content parts, got {type_name(value)}")
-    texts: list[str] = []
-    dropped = 0
-    for i, part in enumerate(value):
-        if isinstance(part, str):
-            texts.append(check_text(part, f"{where}[{i}]"))
-            continue
-        if not isinstance(part, dict):
-            raise RowError(f"{where}[{i}]: expected a content part object, got {type_name(part)}")
-        kind = part.get("type", "text" if "text" in part else None)
-        if kind == "text":
-            texts.append(check_text(part.get("text"), f"{where}[{i}].text"))
-        else:
-            dropped += 1
-    if dropped and not texts:
-        raise RowError(
-            f"{where}: only non-text parts ({dropped} dropped: images/video); a text model cannot "
-            "regenerate this turn; remove the row or add a text part"
-        )
-    return "".join(texts), dropped
-
-
 def require_prompt_text(raw: Any, text: str, where: str) -> str:
     """The text of a user turn, or RowError when it would reach the target as an empty prompt.
 
-    `content_text` reads null as "" because an assistant turn that only calls tools has no text; a
+    `parts.content_parts` reads null as "" because an assistant turn that only calls tools has no text; a
     user turn with nothing in it (null, "", whitespace, an empty part list) has nothing to answer,
     and sending it anyway teaches the draft what the target says to an empty message.
     """
@@ -239,7 +205,7 @@ def conversation(messages: list[Message], tools: tuple[dict, ...] | None, where:
         raise RowError(f"{where}: no user turn (roles: {roles}); nothing to prompt the target with")
     for i, m in enumerate(messages):
         # the formats check their own turns with the field path; this holds the rule for any format
-        if m.role == "user":
+        if m.role == "user" and not m.images:  # an image alone is something to answer
             require_prompt_text(m.content, m.content, f"{where} (message {i})")
     try:
         return Conversation(messages=tuple(pair_tool_results(messages)), tools=tools)

@@ -14,7 +14,6 @@ from regen_service.produce.sources.base import (
     Normalized,
     RowError,
     check_text,
-    content_text,
     conversation,
     message,
     require_prompt_text,
@@ -22,6 +21,8 @@ from regen_service.produce.sources.base import (
     tools_list,
     type_name,
 )
+from regen_service.produce.sources.images import ImageReader
+from regen_service.produce.sources.parts import RowMedia, content_parts
 from schemas.conversation import Message
 
 ROLES = {
@@ -35,7 +36,7 @@ ROLES = {
 ALLOWED = ", ".join(ROLES)
 
 
-def normalize(raw: dict, fields: Fields) -> Normalized:
+def normalize(raw: dict, fields: Fields, images: ImageReader | None = None) -> Normalized:
     key = fields("messages")
     items = raw.get(key)
     if items is None:
@@ -47,6 +48,7 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
     k_role, k_content = fields("role"), fields("content")
     messages: list[Message] = []
     dropped = 0
+    media = RowMedia(raw, fields, images)
     for i, item in enumerate(items):
         where = f"{key}[{i}]"
         if not isinstance(item, dict):
@@ -62,9 +64,9 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
         calls = item.get("tool_calls")
         if k_content not in item and not calls:
             raise RowError(f"{where}.{k_content}: missing")
-        text, n = content_text(item.get(k_content), f"{where}.{k_content}")
+        text, n, refs = content_parts(item.get(k_content), f"{where}.{k_content}", media)
         dropped += n
-        if role == "user":
+        if role == "user" and not refs:
             require_prompt_text(item.get(k_content), text, f"{where}.{k_content}")
         extra: dict = {}
         if calls is not None:
@@ -86,6 +88,9 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
             call_id = item.get("tool_call_id")
             extra["tool_call_id"] = None if call_id is None else str(call_id)
             extra["name"] = check_text(item.get("name"), f"{where}.name", allow_none=True)
-        messages.append(message(role, text, **extra))
+        messages.append(message(role, text, images=refs or None, **extra))
     tools = tools_list(raw.get(fields("tools")), fields("tools"))
-    return Normalized(conversation(messages, tools, key), num_dropped_parts=dropped)
+    media.finish()
+    return Normalized(
+        conversation(messages, tools, key), num_dropped_parts=dropped, images=media.loaded or None
+    )

@@ -6,7 +6,8 @@ relative to the mix file. `hf` sources: `datasets.load_dataset(**hf)` with local
 
 A line that is not valid UTF-8 or not valid JSON, a row that is not an object, or one over the
 source's bounds (`max_row_bytes`, `max_nesting_depth`: checked before a long line is even parsed, and
-without recursion) is yielded as a `BadRow` (row_index, reason, raw text) so the producer quarantines
+without recursion; binary values, i.e. images, are bounded by the mix's `images.max_image_bytes`
+instead) is yielded as a `BadRow` (row_index, reason, raw text) so the producer quarantines
 it and moves on; a file that cannot be read at all (including a `.parquet` that is not Parquet) raises
 ConfigError naming the source, in one line. Normalizing rows is the normalizers' job.
 """
@@ -47,7 +48,9 @@ def _row_bounds(i: int, value: Any, source: SourceSpec, raw: str = "") -> Any:
     size, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, str | bytes):
+        if isinstance(item, bytes):
+            pass  # binary values are images (a Hugging Face Image column): max_image_bytes bounds them
+        elif isinstance(item, str):
             size += len(item)
         elif isinstance(item, dict | list | tuple):
             if depth > source.max_nesting_depth:
@@ -140,12 +143,29 @@ def hf_kwargs(mix: MixSpec, source: SourceSpec) -> dict:
     return kwargs
 
 
+def _undecoded(feature):
+    """The feature with every `Image` left undecoded: rows then hold `{bytes, path}` dicts, which the
+    image reader checks itself (datasets would hand over PIL objects, decoded without our bounds)."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(decode=False)
+    if isinstance(feature, datasets.List | datasets.Sequence):
+        return type(feature)(_undecoded(feature.feature), length=feature.length)
+    if isinstance(feature, dict):
+        return {k: _undecoded(v) for k, v in feature.items()}
+    return feature
+
+
 def _hf(mix: MixSpec, source: SourceSpec) -> Iterator[tuple[int, dict | BadRow]]:
     import datasets
 
     kwargs = hf_kwargs(mix, source)
     try:
         ds = datasets.load_dataset(**kwargs)
+        features = datasets.Features({k: _undecoded(v) for k, v in ds.features.items()})
+        if features != ds.features:
+            ds = ds.cast(features)
     except Exception as err:  # datasets raises many types; all mean "this source cannot be read"
         raise ConfigError(f"source {source.name!r}: load_dataset({kwargs}) failed: {err}") from err
     index = 0

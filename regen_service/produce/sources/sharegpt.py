@@ -20,7 +20,6 @@ from regen_service.produce.sources.base import (
     Normalized,
     RowError,
     check_text,
-    content_text,
     conversation,
     message,
     require_prompt_text,
@@ -28,6 +27,8 @@ from regen_service.produce.sources.base import (
     tools_list,
     type_name,
 )
+from regen_service.produce.sources.images import ImageReader
+from regen_service.produce.sources.parts import RowMedia, content_parts
 from schemas.conversation import Message
 
 ROLES = {
@@ -59,7 +60,7 @@ def _parse_call(value: Any, where: str):
     return tool_call(value, where)
 
 
-def normalize(raw: dict, fields: Fields) -> Normalized:
+def normalize(raw: dict, fields: Fields, images: ImageReader | None = None) -> Normalized:
     key = fields("conversations")
     turns = raw.get(key)
     if turns is None:
@@ -71,6 +72,7 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
     k_from, k_value = fields("from"), fields("value")
     messages: list[Message] = []
     dropped = 0
+    media = RowMedia(raw, fields, images)
     system = check_text(raw.get(fields("system")), fields("system"), allow_none=True)
     if system:
         messages.append(message("system", system))
@@ -101,11 +103,14 @@ def normalize(raw: dict, fields: Fields) -> Normalized:
                 messages.append(message("assistant", "", tool_calls=(call,)))
                 open_assistant = len(messages) - 1
             continue
-        text, n = content_text(turn[k_value], f"{where}.{k_value}")
+        text, n, refs = content_parts(turn[k_value], f"{where}.{k_value}", media)
         dropped += n
-        if role == "user":
+        if role == "user" and not refs:
             require_prompt_text(turn[k_value], text, f"{where}.{k_value}")
-        messages.append(message(role, text))
+        messages.append(message(role, text, images=refs or None))
         open_assistant = len(messages) - 1 if role == "assistant" else -1
     tools = tools_list(raw.get(fields("tools")), fields("tools"))
-    return Normalized(conversation(messages, tools, key), num_dropped_parts=dropped)
+    media.finish()
+    return Normalized(
+        conversation(messages, tools, key), num_dropped_parts=dropped, images=media.loaded or None
+    )
