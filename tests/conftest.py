@@ -65,11 +65,6 @@ def settings(tmp_path, redis_available) -> Settings:
 @pytest.fixture
 def settings_env(settings) -> dict[str, str]:
     """The same settings as environment variables, for processes the test starts."""
-    return {
-        "REGEN_REDIS_URL": settings.redis_url,
-        "REGEN_DATA_ROOT": settings.data_root,
-        "REGEN_KEY_PREFIX": settings.key_prefix,
-        "REGEN_LEASE_TTL_S": str(settings.lease_ttl_s),
-        "REGEN_HEARTBEAT_S": str(settings.heartbeat_s),
-        "REGEN_VISIBILITY_TIMEOUT_S": str(settings.visibility_timeout_s),
-    }
+    from tests.procs import settings_env_of
+
+    return settings_env_of(settings)

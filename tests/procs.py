@@ -45,6 +45,18 @@ SAMPLES = REPO.parent / "shared" / "samples"
 ENGINE_VENV_PYTHON = REPO / ".venv-engine" / "bin" / "python"
 
 
+def settings_env_of(settings) -> dict[str, str]:
+    """A test's settings as the environment variables the processes it starts read."""
+    return {
+        "REGEN_REDIS_URL": settings.redis_url,
+        "REGEN_DATA_ROOT": settings.data_root,
+        "REGEN_KEY_PREFIX": settings.key_prefix,
+        "REGEN_LEASE_TTL_S": str(settings.lease_ttl_s),
+        "REGEN_HEARTBEAT_S": str(settings.heartbeat_s),
+        "REGEN_VISIBILITY_TIMEOUT_S": str(settings.visibility_timeout_s),
+    }
+
+
 def engine_python() -> str:
     """The python of the vLLM environment (`make engine`), or REGEN_VLLM_PYTHON. Without one the engine
     tests skip, except under CI (or REGEN_REQUIRE_ENGINE=1), where a missing engine is a failure."""

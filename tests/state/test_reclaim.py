@@ -21,18 +21,7 @@ from regen_service.state.queue import make_celery
 from regen_service.state.reclaim import sweep_interval_s
 from regen_service.state.status import run_status
 from tests.e2e.test_exactly_once import output_rows, sim_stats, write_prompt_mix
-from tests.procs import regen_cmd, sim_server, spawn, stop, wait_progress, wait_run_done
-
-
-def _env(settings) -> dict[str, str]:
-    return {
-        "REGEN_REDIS_URL": settings.redis_url,
-        "REGEN_DATA_ROOT": settings.data_root,
-        "REGEN_KEY_PREFIX": settings.key_prefix,
-        "REGEN_LEASE_TTL_S": str(settings.lease_ttl_s),
-        "REGEN_HEARTBEAT_S": str(settings.heartbeat_s),
-        "REGEN_VISIBILITY_TIMEOUT_S": str(settings.visibility_timeout_s),
-    }
+from tests.procs import regen_cmd, settings_env_of, sim_server, spawn, stop, wait_progress, wait_run_done
 
 
 def _held_by(ledger: Ledger, run_id: str, node: str) -> set[int]:
@@ -42,7 +31,7 @@ def _held_by(ledger: Ledger, run_id: str, node: str) -> set[int]:
 
 def test_dead_workers_shards_come_back_without_resume(settings, tmp_path):
     settings = settings.model_copy(update={"lease_ttl_s": 4.0, "visibility_timeout_s": 3600})
-    env = _env(settings)
+    env = settings_env_of(settings)
     res = enqueue(settings, write_prompt_mix(tmp_path, "dead-host", 60, 6))
     ledger = Ledger(settings)
     app = make_celery(settings)
