@@ -194,7 +194,8 @@ def test_eval_while_training_best_checkpoint_tensorboard_and_decoding_agree(sett
 @pytest.mark.slow
 def test_flat_target_warns_and_a_source_without_held_out_prompts_is_named(settings, tmp_path, caplog):
     torch.manual_seed(0)
-    target_dir = make_tiny_target(tmp_path / "target", embed_scale=10.0)  # logit_scale 1: entropy ~ ln V
+    # an unscaled head (logit_scale 1, not the fixture's default 30): entropy ~ ln V
+    target_dir = make_tiny_target(tmp_path / "target", embed_scale=10.0, logit_scale=1.0)
     ledger = register_run(settings, "run-flat", num_shards=1, rows_per_shard=40)
     rows = greedy_rows(target_dir, "run-flat", 40, new_tokens=24, seed=3)
     split = HeldOutSplit(fraction=0.3, seed=0)
