@@ -24,7 +24,7 @@ from regen_service.train.config import TrainConfig
 from regen_service.train.fixtures import DEMO_TOKENIZER
 from schemas.yamlfile import YamlRefused, load_yaml
 from tests.draft.test_convert import make_speculators_draft
-from tests.draft.test_export_validate import cli, make_checkpoint, make_target
+from tests.draft.test_export_validate import cli, exported, make_checkpoint, make_target  # noqa: F401 (fixture)
 from tests.procs import regen_cmd
 
 BOMB = """\
@@ -100,17 +100,6 @@ def test_no_module_reads_yaml_another_way():
 # item 8: validate-draft, convert-draft, export
 
 
-@pytest.fixture
-def exported(tmp_path) -> tuple[Path, Path]:
-    make_checkpoint(tmp_path / "train")
-    target = make_target(tmp_path / "target")
-    res = cli(
-        "export", str(tmp_path / "train"), "--out", str(tmp_path / "draft"), "--target-config", str(target)
-    )
-    assert res.exit_code == 0, res.output
-    return tmp_path / "draft", target
-
-
 def _header(payload: bytes) -> bytes:
     return struct.pack("<Q", len(payload)) + payload
 
@@ -133,7 +122,7 @@ PLANTED = {
 
 
 @pytest.mark.parametrize("case", sorted(PLANTED))
-def test_validate_draft_on_a_planted_file_says_which_and_why(case, exported, tmp_path):
+def test_validate_draft_on_a_planted_file_says_which_and_why(case, exported, tmp_path):  # noqa: F811 (the imported fixture)
     draft, target = exported
     name, payload, expect = PLANTED[case]
     (draft / name).write_bytes(payload)
@@ -142,7 +131,7 @@ def test_validate_draft_on_a_planted_file_says_which_and_why(case, exported, tmp
     assert res.returncode == 1
 
 
-def test_a_deep_target_config_is_one_line(exported, tmp_path):
+def test_a_deep_target_config_is_one_line(exported, tmp_path):  # noqa: F811 (the imported fixture)
     draft, _ = exported
     deep = tmp_path / "deep-target"
     deep.mkdir()
@@ -192,7 +181,7 @@ def test_checkpoints_latest_naming_a_path_outside_is_refused(how, tmp_path):
 # item 9: the fix the vLLM aux-engine message prints
 
 
-def test_validate_for_vllm_prints_a_runnable_export_command(exported):
+def test_validate_for_vllm_prints_a_runnable_export_command(exported):  # noqa: F811 (the imported fixture)
     draft, target = exported
     res = regen("validate-draft", str(draft), "--target-config", str(target), "--engine", "vllm")
     assert res.returncode == 1 and "[aux_engine]" in res.stdout
