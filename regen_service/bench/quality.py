@@ -5,15 +5,11 @@ runs from them with regen's producer (`prepare_run`: normalize, content-hash ids
 answers both through the Regenerator and the in-process engine: `regen` samples the target as served
 (api generate, temperature/top_p of the mix), `orig` replays the files' own answers (tokenized, the
 stop token appended), so both land as the same token-exact Parquet rows and differ only in who wrote
-the answer. `Matrix` then trains drafts on subsets of either (offline.train_draft, or SpecForge's
-trainer) and scores each by the trainer's simulated accept length (evaluate.py, on the held-out
-regenerated answers) and by real speculative decoding against the target (specdecode.py) on the
-held-out prompts, overall and per source.
+the answer. matrix.py trains and scores drafts on subsets of either; jobs.py runs them in parallel.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -112,24 +108,3 @@ def heldout_prompts(storage: Storage, run_id: str, split, tok, n_per_source: int
         sources.append(r.source)
         pids.append(r.prompt_id)
     return ids, sources, pids
-
-
-class Results:
-    """JSON lines to stdout and a file; finished run keys are remembered so a resumed call skips them."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.done = set()
-        if path.exists():
-            for line in path.read_text().splitlines():
-                rec = json.loads(line)
-                if "key" in rec:
-                    self.done.add(rec["key"])
-
-    def emit(self, rec: dict) -> None:
-        line = json.dumps(rec, default=str)
-        print(line, flush=True)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
-        if "key" in rec:
-            self.done.add(rec["key"])
