@@ -57,6 +57,9 @@ def parse():
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new draft after this many seconds")
     p.add_argument("--device", default=None)
     p.add_argument("--jobs", type=int, default=1, help="cells trained at once, each in its own process")
+    p.add_argument(
+        "--cells", default=None, help="comma-separated cell keys to run, in this order (default: all)"
+    )
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # a child of --jobs: one cell
     return p.parse_args()
 
@@ -113,6 +116,15 @@ def main() -> int:
     bench = matrix.Bench.open(runs, storage, target, tok, ctx, base, a.decode_prompts, a.specforge)
     sizes = bench.sizes(sizes)
     cells = matrix.plan(sizes, seeds, specforge=not a.no_specforge)
+    if a.cells:  # a chosen subset, in the order given (what a short device budget can run first)
+        by_key = {c.key: c for c in cells}
+        asked = [
+            k.replace("-max-", f"-{max(sizes)}-") for k in a.cells.split(",")
+        ]  # the largest, however large
+        unknown = [k for k in asked if k not in by_key]
+        if unknown:
+            raise ConfigError(f"--cells {unknown} are not in the plan; the plan's cells: {sorted(by_key)}")
+        cells = [by_key[k] for k in asked]
     crosscheck = cells[0].key
     if a.only:
         cell = matrix.Cell.parse(a.only)
