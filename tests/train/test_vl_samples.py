@@ -1,0 +1,80 @@
+"""Samples whose context holds images, without an engine: the engine's expanded sequence mapped onto the
+trainer's rendering, the images sent inline, the context kept through a checkpoint, and the HF backend's
+refusal (the engine path is tests/e2e/test_train_images.py)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import torch
+
+from regen_service.errors import ConfigError
+from regen_service.train.config import TrainConfig
+from regen_service.train.data import Example
+from regen_service.train.eval_set import EvalSet
+from regen_service.train.target import VL_NEEDS_ENGINE, TargetBackend
+from regen_service.train.vl_samples import VlContext, align, context_for, request_messages, with_images
+from schemas.conversation import Message
+
+PAD = 9
+SHA = "ab" * 32
+
+
+def test_align_widens_each_placeholder_to_the_engines_run_outside_the_loss():
+    ids = [1, 2, PAD, 3, 4, 5]
+    mask = [0, 0, 0, 0, 1, 1]
+    engine = [1, 2, PAD, PAD, PAD, PAD, 3, 4, 5, 7]  # the engine's prompt may go on past a cut sample
+    got_ids, got_mask = align(engine, ids, mask, PAD)
+    assert got_ids == [1, 2, PAD, PAD, PAD, PAD, 3, 4, 5]  # the draft reads what the target saw
+    assert got_mask == [0, 0, 0, 0, 0, 0, 0, 1, 1]
+
+
+def test_two_images_next_to_each_other_keep_their_own_runs():
+    # Kimi-K2.5 brackets each image (<|media_begin|>...<|media_end|>): runs never touch
+    ids, mask = [1, PAD, 8, 1, PAD, 8, 4], [0, 0, 0, 0, 0, 0, 1]
+    engine = [1, PAD, PAD, 8, 1, PAD, PAD, PAD, 8, 4]
+    assert align(engine, ids, mask, PAD) == (engine, [0] * 9 + [1])
+
+
+@pytest.mark.parametrize("engine", [[1, 3, PAD, PAD, 4], [1, 2, PAD]])
+def test_a_sequence_the_engine_rendered_otherwise_is_refused(engine):
+    with pytest.raises(ConfigError, match="differs from the trainer's rendering"):
+        align(engine, [1, 2, PAD, 4], [0, 0, 0, 1], PAD)
+
+
+def test_image_parts_are_placed_and_sent_inline(tmp_path):
+    part = {"message_index": 0, "offset": 4, "sha256": SHA, "media_type": "image/png", "width": 2,
+            "height": 2, "num_bytes": 3}  # fmt: skip
+    msgs = with_images(
+        (Message(role="user", content="Look here"), Message(role="assistant", content="ok")), [part]
+    )
+    template = [m.to_dict("template") for m in msgs]
+    assert template[0]["content"][1] == {"type": "image_url", "image_url": {"url": f"images/{SHA}.png"}}
+    ctx = context_for(template, lambda name: f"/store/{name}", thinking=True)
+    assert ctx.images == (f"/store/{SHA}.png",) and json.loads(ctx.template_kwargs) == {"thinking": True}
+    sent = request_messages(ctx, lambda path: b"PNG" if path == f"/store/{SHA}.png" else b"")
+    url = sent[0]["content"][1]["image_url"]["url"]
+    assert url == "data:image/png;base64," + base64.b64encode(b"PNG").decode()
+    assert json.loads(ctx.messages)[0]["content"][1]["image_url"]["url"] == f"images/{SHA}.png"  # unchanged
+    assert context_for([{"role": "user", "content": "text only"}], str) is None
+
+
+def test_a_held_out_sample_keeps_its_images_through_a_checkpoint():
+    cfg = TrainConfig.load(None, eval_fraction=0.5)
+    ev = EvalSet(cfg)
+    ctx = VlContext(json.dumps([{"role": "user", "content": "x"}]), ("/store/a.png",), "{}")
+    ex = Example(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), ctx)
+    ev.add({"s": [ex, Example(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]))]}, {}, {"s": 2})
+    back = EvalSet(cfg)
+    back.load(ev.state(), "ckpt", had_ckpt=True)
+    assert [s.vl for s in back.samples] == [ctx, None]
+
+
+def test_the_hf_backend_refuses_samples_with_images_in_one_line():
+    ex = Example(torch.tensor([1, 2]), torch.tensor([0, 1]), VlContext("[]", ("/a.png",)))
+    with pytest.raises(ConfigError) as err:
+        TargetBackend().example_states([ex])
+    assert str(err.value) == VL_NEEDS_ENGINE and "--target-backend vllm" in VL_NEEDS_ENGINE
+    assert "\n" not in VL_NEEDS_ENGINE
