@@ -21,6 +21,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +30,9 @@ import httpx
 import torch
 
 from regen_service.errors import ConfigError, RegenError
+from regen_service.train.data import collate
 from regen_service.train.target import TargetBackend, checked_aux_layer_ids, head_outputs
+from regen_service.train.vl_samples import VlContext, align, request_messages
 
 
 class EngineStateError(RegenError):
@@ -179,8 +182,10 @@ class VllmTarget(TargetBackend):
         num_parallel_requests: int = 8,
         request_timeout_s: float = 600.0,
         api_key: str | None = None,
+        read_image: Callable[[str], bytes] | None = None,
     ):
         self.path = path
+        self._read_image = read_image  # a stored image's bytes, by its storage path (samples with images)
         if not states_dir:
             raise ConfigError(
                 "target_states_dir is not set: set it to the folder the engine writes hidden states to "
@@ -201,6 +206,8 @@ class VllmTarget(TargetBackend):
         self.hidden_size: int = tc.hidden_size
         self.vocab_size: int = tc.vocab_size
         self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, self.num_layers)
+        # the placeholder the engine widens to an image's tokens (Kimi-K2.5's <|media_pad|>)
+        self.image_token_id = raw.get("media_placeholder_token_id", raw.get("image_token_id"))
         w = load_head_weights(path)
         self._embed = w["embed"]
         # Kimi-K2.5's head is 163840 x 7168: bf16 on a GPU (2.3 GB), fp32 where the CPU computes it.
@@ -253,15 +260,37 @@ class VllmTarget(TargetBackend):
             )
 
     def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+        got, generated, _ = self._post("/v1/completions", body)
+        if got["token_ids"].tolist() != ids:
+            raise EngineStateError(f"{self.endpoint} wrote another sequence's states than the one sent")
+        return got["hidden_states"], generated
+
+    def _chat_states(self, ctx: VlContext) -> tuple[list[int], torch.Tensor]:
+        """A sample with images: its conversation through the chat API, the images inline, rendered by
+        the engine's own template and processor (which widens each image placeholder to the image's
+        tokens) -> (the engine's token ids, their states)."""
+        if self._read_image is None:
+            raise ConfigError("a sample holds images but this target backend was given no image store")
         body = {
-            "model": self.model,
-            "prompt": ids,
+            "messages": request_messages(ctx, self._read_image),
             "max_tokens": 1,
             "temperature": 0,
             "return_token_ids": True,
+            "add_generation_prompt": False,  # the sample ends with the answer: render it, ask nothing
+            "chat_template_kwargs": json.loads(ctx.template_kwargs),
         }
+        got, _, prompt_ids = self._post("/v1/chat/completions", body)
+        if prompt_ids is None or got["token_ids"].tolist() != prompt_ids:
+            raise EngineStateError(
+                f"{self.endpoint} wrote another sequence's states than the prompt it names"
+            )
+        return prompt_ids, got["hidden_states"]
+
+    def _post(self, route: str, body: dict) -> tuple[dict[str, torch.Tensor], int, list[int] | None]:
+        """One request of one generated token -> (its states file, the token, the prompt ids it reports)."""
         try:
-            r = self._http.post("/v1/completions", json=body)
+            r = self._http.post(route, json={"model": self.model, **body})
         except httpx.HTTPError as e:
             raise EngineStateError(f"{self.endpoint}: {type(e).__name__} {e}") from None
         if r.status_code != 200:
@@ -270,9 +299,10 @@ class VllmTarget(TargetBackend):
             data = r.json()
             path = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
             generated = int(data["choices"][0]["token_ids"][0])
+            prompt_ids = data.get("prompt_token_ids") or data["choices"][0].get("prompt_token_ids")
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             raise EngineStateError(
-                f"{self.endpoint} answered /v1/completions with {r.text[:200]!r}, not a completion carrying "
+                f"{self.endpoint} answered {route} with {r.text[:200]!r}, not a completion carrying "
                 "choices[0].token_ids and kv_transfer_params.hidden_states_path"
             ) from None
         if not path:
@@ -280,10 +310,32 @@ class VllmTarget(TargetBackend):
                 f"--target-endpoint {self.endpoint} returns no hidden_states_path: it runs without the "
                 "extract_hidden_states method; start it with `regen launch-vllm --target ... --hidden-states DIR`"
             )
-        got = read_state_file(path, self.states_dir, self._timeout_s)
-        if got["token_ids"].tolist() != ids:
-            raise EngineStateError(f"{path} holds another sequence's states than the one sent")
-        return got["hidden_states"], generated
+        return read_state_file(path, self.states_dir, self._timeout_s), generated, prompt_ids
+
+    def _example(self, ex) -> tuple[list[int], list[int], torch.Tensor]:
+        """(ids, mask, states) of one sample on the sequence the engine ran: a text sample as it is, a
+        sample with images on the engine's expanded sequence (vl_samples.align), states cut to match."""
+        ids, mask = ex.ids.tolist(), ex.mask.tolist()
+        if getattr(ex, "vl", None) is None:
+            return ids, mask, self._states(ids)[0]
+        if self.image_token_id is None:
+            raise ConfigError(
+                f"--target {self.path}: its config.json names no image placeholder token "
+                "(media_placeholder_token_id or image_token_id), but the run holds images"
+            )
+        engine_ids, states = self._chat_states(ex.vl)
+        ids, mask = align(engine_ids, ids, mask, int(self.image_token_id))
+        return ids, mask, states[: len(ids)]
+
+    def example_states(self, examples: list, draft_token_ids: torch.Tensor | None = None):
+        """As TargetBackend.example_states, samples with images included: the batch holds the engine's
+        expanded sequences (image tokens as the target saw them, never in the loss mask)."""
+        done = list(self._pool.map(self._example, examples))
+        batch = collate([SimpleNamespace(ids=torch.tensor(i), mask=torch.tensor(m)) for i, m, _ in done])
+        aux, pred, draft = self._assemble(
+            [st for _, _, st in done], batch["input_ids"].shape, draft_token_ids
+        )
+        return batch, aux, pred, draft
 
     def _normed(self, last: torch.Tensor) -> torch.Tensor:
         x = last.to(self.device, torch.float32)
@@ -305,15 +357,20 @@ class VllmTarget(TargetBackend):
         lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [t] * b
         seqs = [input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
         results = list(self._pool.map(self._states, seqs))
+        return self._assemble([st for st, _ in results], (b, t), draft_token_ids)
+
+    def _assemble(self, states: list[torch.Tensor], shape, draft_token_ids):
+        """Per-sequence states [n, 4, H] -> the batch's aux [B, T, 3H], argmax [B, T], draft logits."""
+        b, t = shape
         aux = torch.zeros(b, t, 3 * self.hidden_size, dtype=torch.bfloat16, device=self.device)
         pred = torch.zeros(b, t, dtype=torch.int64, device=self.device)
         draft = None
         if draft_token_ids is not None:
             draft = torch.zeros(b, t, len(draft_token_ids), dtype=torch.float32, device=self.device)
-        for i, (states, _) in enumerate(results):
-            n = states.shape[0]
-            aux[i, :n] = states[:, :3].reshape(n, -1).to(self.device, aux.dtype)
-            p, d = head_outputs(self._normed(states[:, 3])[None], self._lm_head, draft_token_ids)
+        for i, st in enumerate(states):
+            n = st.shape[0]
+            aux[i, :n] = st[:, :3].reshape(n, -1).to(self.device, aux.dtype)
+            p, d = head_outputs(self._normed(st[:, 3])[None], self._lm_head, draft_token_ids)
             pred[i, :n] = p[0]
             if draft is not None:
                 draft[i, :n] = d[0]
