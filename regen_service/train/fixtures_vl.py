@@ -4,7 +4,7 @@
 classes: a 2-layer MoonViT vision tower, its patch-merger projector, and a 4-layer DeepSeek-V3 text
 model with MLA attention), the demo tokenizer with `<|media_begin|>` added and a chat template that
 renders image parts as Kimi-K2.5's does, and the `media_proc_cfg` preprocessor config vLLM's Kimi-K2.5
-image processor reads. `test_image` draws a deterministic picture.
+image processor reads. `draw_image` draws a deterministic picture.
 
 Why Kimi-K2.5 itself: vLLM's `extract_hidden_states` method (the trainer's engine backend) needs a model
 with `SupportsEagle3`; of the multimodal ones that have it in vLLM 0.32 (llava.py, qwen2_5_vl.py,
@@ -124,7 +124,7 @@ def make_tiny_vl_target(
     return path
 
 
-def test_image(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> bytes:
+def draw_image(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> bytes:
     """A deterministic picture (a colour gradient with a seeded block), as image file bytes."""
     import numpy as np
     from PIL import Image
