@@ -6,7 +6,7 @@ back with `datasets` (the `images` column, schema version 2); the fault run puts
 an altered one, an over-bound request and an image too large for the server's context in one shard,
 each failing its row with its reason while the rest is answered; the generate run sends SGLang's
 `image_data` beside prompt ids rendered by Kimi-K2.5's template; the reuse run copies an answered
-image row into a new run, image included.
+image row into a new run, image included; the S3 run reads the images from a bucket (moto).
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ def test_image_prompts_are_answered_and_rows_carry_their_images(settings, settin
         image_turn(blue),
         image_turn(red, before="Look: ", after=" and say what you see."),
         {"messages": [{"role": "user", "content": "Say hi."}]},
-    ]
+        # turns: all answers both assistant turns; each request is the whole conversation, image included
+        {"messages": [*image_turn(blue, after="First?")["messages"], {"role": "assistant", "content": "x"},
+                      {"role": "user", "content": "And now?"}]},
+    ]  # fmt: skip
     mix = write_mix(tmp_path, rows, "vl-chat")
     with sim_server("--decode-tok-s", "0", log=tmp_path / "sim.log") as sim:
         res = enqueue(settings, mix)
@@ -89,7 +92,9 @@ def test_image_prompts_are_answered_and_rows_carry_their_images(settings, settin
     assert by_text["Say hi."]["images"] is None
     # the server decoded both images (sent once each, one request per row) and counted their tokens:
     # 56x28 is 2 tokens where its placeholder stood
-    assert stats["images_total"] == 2 and stats["requests_total"] == 3 and stats["num_bad_images"] == 0
+    assert stats["images_total"] == 4 and stats["requests_total"] == 5 and stats["num_bad_images"] == 0
+    two = by_text["First?"]
+    assert len(two["turns"]) == 2 and two["images"][0]["sha256"] == sha(blue)
     # the image was in the prompt: its rendered placeholder (4 markers and "image") became its 2 tokens
     assert by_text["What colour is this?"]["turns"][0]["prompt_tokens"] == plain + 5 - 1 + 2
 
@@ -175,3 +180,30 @@ def test_a_reused_image_row_brings_its_image_into_the_new_run(settings, settings
     assert len(reused) == 1 and reused[0]["reused_from"] == a.run_id
     assert reused[0]["images"][0]["sha256"] == sha(img)
     assert Path(lb.image_path(f"{sha(img)}.png")).read_bytes() == img
+
+
+def test_images_come_from_an_s3_data_root(settings, settings_env, tmp_path, monkeypatch):
+    from tests.s3 import BUCKET, moto_s3
+
+    img = png(28, 28, (5, 50, 150))
+    mix = write_mix(tmp_path, [image_turn(img), {"messages": [{"role": "user", "content": "Hi."}]}], "vl-s3")
+    with moto_s3(tmp_path) as s3:
+        root = f"s3://{BUCKET}/root"
+        env = {**settings_env, **s3.env, "REGEN_DATA_ROOT": root}
+        s3_settings = settings.model_copy(update={"data_root": root})
+        # the producer runs in this process and writes the store the way workers read it
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        res = enqueue(s3_settings, mix)
+        since = s3.offset()
+        with sim_server("--decode-tok-s", "0", log=tmp_path / "sim.log") as sim:
+            with worker_process(env, sim, log=tmp_path / "worker.log") as w:
+                st = wait_run_done(s3_settings, res.run_id, procs=(w,))
+            stats = httpx.get(f"{sim}/sim/stats").json()
+        layout = RunLayout(Storage(root), res.run_id)
+        rows = layout.storage.read_table(layout.output_shard(0)).to_pylist()
+    assert st["prompts_failed"] == 0 and stats["images_total"] == 1
+    assert [r["images"][0]["sha256"] for r in rows if r["images"]] == [sha(img)]
+    # the worker read the image from the bucket: one GET of its object
+    gets = [p for m, p, _ in s3.requests(since) if m == "GET" and f"images/{sha(img)}.png" in p]
+    assert len(gets) == 1
