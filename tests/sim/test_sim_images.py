@@ -91,3 +91,8 @@ def test_generate_input_ids_count_the_placeholder_id(sim):
     ids = [163587, 1001, 163602, 163605, 163604, 1002, 163586]
     r = httpx.post(f"{sim}/generate", json={"input_ids": ids, "image_data": [png(28, 56)]}, timeout=30)
     assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == len(ids) + 2 - 1
+
+
+def test_batch_with_image_data_is_refused(sim):
+    r = httpx.post(f"{sim}/generate", json={"text": ["a", "b"], "image_data": [png(8, 8)] * 2}, timeout=30)
+    assert r.status_code == 400 and "single requests only" in r.json()["error"]["message"]
