@@ -4,7 +4,8 @@ Real Redis, a real `regen worker` process, real HTTP to `regen sim` (which decod
 counts its tokens, and answers 400 for one it cannot take). The chat run checks the answered rows read
 back with `datasets` (the `images` column, schema version 2); the fault run puts a missing store file,
 an altered one, an over-bound request and an image too large for the server's context in one shard,
-each failing its row with its reason while the rest is answered; the generate run sends SGLang's
+each failing its row with its reason while the rest is answered (and the over-bound row answered by
+`regen retry-failed --include-terminal` on a worker with the default bound); the generate run sends SGLang's
 `image_data` beside prompt ids rendered by Kimi-K2.5's template; the reuse run copies an answered
 image row into a new run, image included; the S3 run reads the images from a bucket (moto).
 """
@@ -15,6 +16,7 @@ import base64
 import io
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import datasets
@@ -26,7 +28,7 @@ from PIL import Image
 from regen_service.produce.producer import enqueue
 from regen_service.state.storage import RunLayout, Storage
 from schemas.tables import SCHEMA_VERSION_KEY
-from tests.procs import sim_server, wait_run_done, worker_process
+from tests.procs import regen_cmd, sim_server, wait_run_done, worker_process
 
 
 def png(w: int, h: int, colour=(0, 90, 200), noise: bool = False) -> bytes:
@@ -116,8 +118,15 @@ def test_image_faults_fail_their_rows_with_reasons(settings, settings_env, tmp_p
         with worker_process(settings_env, sim, log=tmp_path / "worker.log", extra=extra) as w:
             st = wait_run_done(settings, res.run_id, procs=(w,))
         stats = httpx.get(f"{sim}/sim/stats").json()
-    out = {r["messages"][0]["content"] if r["messages"] else r["row_index"]: r
-           for r in datasets.load_dataset("parquet", data_files=layout.output_shard(0), split="train")}  # fmt: skip
+        out = {r["messages"][0]["content"] if r["messages"] else r["row_index"]: r
+               for r in datasets.load_dataset("parquet", data_files=layout.output_shard(0), split="train")}  # fmt: skip
+        # the operator's way out for the bound: a worker allowing more, and retry-failed with terminal rows
+        retry = subprocess.run(regen_cmd("retry-failed", res.run_id, "--include-terminal"),
+                               env={**os.environ, **settings_env}, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert retry.returncode == 0 and json.loads(retry.stdout)["rows_to_retry"] == 4, retry.stderr[-2000:]
+        with worker_process(settings_env, sim, log=tmp_path / "worker-2.log") as w:
+            again = wait_run_done(settings, res.run_id, procs=(w,))
+        retried = datasets.load_dataset("parquet", data_files=layout.output_shard(0), split="train")
     errors = {r["row_index"]: (r["error_class"], r["error"]) for r in out.values() if r["error"]}
     assert st["prompts_failed"] == 4 and len(out) == 6
     assert errors[0][0] == "terminal_row" and "missing from the run's image store" in errors[0][1]
@@ -127,6 +136,7 @@ def test_image_faults_fail_their_rows_with_reasons(settings, settings_env, tmp_p
     assert 4 not in errors and 5 not in errors
     # nothing was sent for the three rows the worker refused; the server refused the fourth itself
     assert stats["requests_total"] == 2 and stats["num_context_errors"] == 1
+    assert again["prompts_failed"] == 3 and sorted(r["row_index"] for r in retried if r["error"]) == [0, 1, 3]
 
 
 def test_generate_sends_image_data_beside_the_rendered_prompt(settings, settings_env, tmp_path):
