@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from regen_service.errors import ImageUnavailableError, RequestImagesTooLargeError
+from regen_service.errors import ImageUnavailableError, RequestImagesTooLargeError, RowTerminalError
 from regen_service.produce.data_report import format_report
 from regen_service.state.storage import RunLayout, Storage
+from regen_service.work.client.engines import vllm_completions_body
 from regen_service.work.images import RunImages, chat_messages, image_data
 from schemas.conversation import Message
 from schemas.media import ImageRef
@@ -119,3 +120,10 @@ def test_enqueue_table_shows_image_counts_only_when_a_source_has_images():
     head, _, vl_line = vl.splitlines()
     assert head.split()[:7] == ["source", "read", "kept", "dup", "quarantined", "images", "stored"]
     assert vl_line.split()[:7] == ["vl", "3", "3", "0", "0", "5", "2"]
+
+
+def test_api_generate_on_vllm_refuses_images_rather_than_dropping_them():
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}
+    assert vllm_completions_body(body, "m")["prompt"] == [1, 2]
+    with pytest.raises(RowTerminalError, match="use api: chat for image mixes on vLLM"):
+        vllm_completions_body({**body, "image_data": ["data:image/png;base64,AAAA"]}, "m")
