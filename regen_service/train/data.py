@@ -25,7 +25,7 @@ import torch
 
 from regen_service.errors import ConfigError
 from regen_service.train import samples as S
-from regen_service.train.vl_samples import VlContext, context_for, with_images
+from regen_service.train.vl_samples import VlContext, context_for
 from schemas.rows import OutputRow, output_rows
 
 _SENTINEL = "REGEN_PROBE_9f3b"
@@ -213,18 +213,14 @@ def table_examples(
     stats = {"rows": table.num_rows, "errors": 0, "token_rows": 0, "template_rows": 0, "no_loss": 0}
     stats.update(generation_samples=0, image_rows=0)
     examples = []
-    cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns")
-    # the image parts of each row's messages (the same struct as a prompt shard's `images` column)
-    parts = table.column("images").to_pylist() if "images" in table.column_names else [None] * table.num_rows
-    rows = output_rows(
+    # `images`: the messages' image parts (OUTPUT_SCHEMA_IMAGES), put back on them by output_rows
+    cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns", "images")
+    for row in output_rows(
         _cut_token_columns(table.select([c for c in cols if c in table.column_names]), max_length)
-    )
-    for row, row_parts in zip(rows, parts, strict=True):
+    ):
         if row.error:
             stats["errors"] += 1
             continue
-        if row_parts and row.messages:
-            row.messages = with_images(row.messages, row_parts)
         for ex in _row_examples(row, renderer_factory, samples, stats, max_length, image_path):
             ex = Example(ex.ids[:max_length].to(torch.int64), ex.mask[:max_length].to(torch.int64), ex.vl)
             if int(ex.mask.sum()) == 0 or ex.ids.numel() < 2:

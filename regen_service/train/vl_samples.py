@@ -1,7 +1,7 @@
 """Training samples whose context holds images: what the engine must be sent, and how its states line up.
 
-A row with image parts (the output shard's `images` column: message index, character offset, stored
-image, as in prompt shards, schemas.media.IMAGE_PART) is rendered by the trainer's chat template as any
+A row with image parts (the output shard's `images` column, OUTPUT_SCHEMA_IMAGES: message index,
+character offset, stored image, put back on its messages by schemas.rows.output_rows) is rendered by the trainer's chat template as any
 other row: each image part becomes the template's media block with ONE placeholder token (Kimi-K2.5:
 `<|media_pad|>`). The target saw more: its processor expands that placeholder to one token per merged
 image patch, and those positions carry the image's embeddings. So such a sample keeps a `VlContext`
@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from regen_service.errors import ConfigError
-from schemas.conversation import Message
-from schemas.media import ImageRef
 
 IMAGE_URL_PREFIX = "images/"  # schemas.media.content_parts names a stored image so
 
@@ -45,20 +43,6 @@ class VlContext:
         if not d:
             return None
         return cls(d["messages"], tuple(d["images"]), d.get("template_kwargs", "{}"))
-
-
-def with_images(messages: tuple[Message, ...], parts: list[dict] | None) -> tuple[Message, ...]:
-    """The row's messages with their image parts placed (the output shard's `images` column)."""
-    if not parts:
-        return messages
-    by_message: dict[int, list[ImageRef]] = {}
-    for p in parts:
-        fields = {k: v for k, v in p.items() if k != "message_index"}
-        by_message.setdefault(int(p["message_index"]), []).append(ImageRef(**fields))
-    return tuple(
-        m.model_copy(update={"images": tuple(by_message[i])}) if i in by_message else m
-        for i, m in enumerate(messages)
-    )
 
 
 def image_names(messages: list[dict]) -> list[str]:

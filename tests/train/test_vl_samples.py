@@ -15,8 +15,8 @@ from regen_service.train.config import TrainConfig
 from regen_service.train.data import Example
 from regen_service.train.eval_set import EvalSet
 from regen_service.train.target import VL_NEEDS_ENGINE, TargetBackend
-from regen_service.train.vl_samples import VlContext, align, context_for, request_messages, with_images
-from schemas.conversation import Message
+from regen_service.train.vl_samples import VlContext, align, context_for, request_messages
+from schemas.conversation import Message, with_image_parts
 
 PAD = 9
 SHA = "ab" * 32
@@ -47,8 +47,8 @@ def test_a_sequence_the_engine_rendered_otherwise_is_refused(engine):
 def test_image_parts_are_placed_and_sent_inline(tmp_path):
     part = {"message_index": 0, "offset": 4, "sha256": SHA, "media_type": "image/png", "width": 2,
             "height": 2, "num_bytes": 3}  # fmt: skip
-    msgs = with_images(
-        (Message(role="user", content="Look here"), Message(role="assistant", content="ok")), [part]
+    msgs = with_image_parts(
+        [Message(role="user", content="Look here"), Message(role="assistant", content="ok")], [part]
     )
     template = [m.to_dict("template") for m in msgs]
     assert template[0]["content"][1] == {"type": "image_url", "image_url": {"url": f"images/{SHA}.png"}}
