@@ -75,10 +75,12 @@ def _checkpoint_name(name: str) -> str:
 
 def make_tiny_vl_target(
     path: str | Path, layers: int = 4, hidden: int = 128, heads: int = 2, seed: int = 0,
-    logit_scale: float = 30.0,
+    embed_scale: float = 10.0, logit_scale: float = 30.0,
 ) -> Path:  # fmt: skip
-    """logit_scale 30 as make_tiny_target: a real LM's next-token entropy (fixtures.make_tiny_target
-    says what was measured)."""
+    """embed_scale and logit_scale as make_tiny_target's (fixtures.py says what each does and what was
+    measured). embed_scale defaults to 10 here: at 1 this random MLA model's greedy answer is one token
+    repeated whatever the prompt (2 distinct ids in 16, measured), which a draft learns from the first
+    step; at 10 the next token follows the current one (16 distinct in 16), a structure to learn."""
     from transformers import AutoTokenizer, Kimi_K25Config
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
 
@@ -108,6 +110,7 @@ def make_tiny_vl_target(
     torch.manual_seed(seed)
     model = Kimi_K25ForConditionalGeneration(config)
     with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
         model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(path)
     weights = path / "model.safetensors"
