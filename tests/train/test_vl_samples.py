@@ -78,3 +78,32 @@ def test_the_hf_backend_refuses_samples_with_images_in_one_line():
         TargetBackend().example_states([ex])
     assert str(err.value) == VL_NEEDS_ENGINE and "--target-backend vllm" in VL_NEEDS_ENGINE
     assert "\n" not in VL_NEEDS_ENGINE
+
+
+def test_the_kimi_k25_template_renders_a_row_with_images_for_training(tmp_path):
+    # The Kimi fixture holds Kimi-K2.5's real template output (tests/test_kimi_fixture_k25.py): the
+    # trainer's renderer puts one <|media_pad|> per image in the user turn, outside the loss, and the
+    # engine's widening of each pad (one token per merged patch) keeps the answer's mask as it was.
+    from regen_service.kimi_fixture import build_kimi_fixture
+    from regen_service.remote_code import load_tokenizer
+    from regen_service.train.data import ChatRenderer
+
+    kimi = build_kimi_fixture(tmp_path / "Kimi-K2.5")
+    tok = load_tokenizer(kimi, trust_remote_code=True, setting="test")
+    pad = json.loads((kimi / "config.json").read_text())["media_placeholder_token_id"]
+    assert pad == tok.convert_tokens_to_ids("<|media_pad|>")
+    parts = [{"message_index": 0, "offset": o, "sha256": SHA, "media_type": "image/png", "width": 2,
+              "height": 2, "num_bytes": 3} for o in (0, 5)]  # fmt: skip
+    msgs = with_image_parts(
+        [Message(role="user", content="Left right?"), Message(role="assistant", content="Both red.")], parts
+    )
+    template = [m.to_dict("template") for m in msgs]
+    ex = ChatRenderer(tok).encode(template, None)
+    ids, mask = ex.ids.tolist(), ex.mask.tolist()
+    assert ids.count(pad) == 2 and all(m == 0 for i, m in zip(ids, mask, strict=True) if i == pad)
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "</think>Both red.<|im_end|>"
+    widened = [t for i in ids for t in ([pad] * 6 if i == pad else [i])]
+    got_ids, got_mask = align(widened, ids, mask, pad)
+    assert got_ids == widened and sum(got_mask) == sum(mask) and len(got_mask) == len(ids) + 10
+    ctx = context_for(template, lambda name: f"runs/r/images/{name}")
+    assert ctx.images == (f"runs/r/images/{SHA}.png",) * 2
