@@ -160,7 +160,11 @@ def _row_examples(
     """One row -> its examples: per generation (samples.py) where asked and possible, else the row;
     none longer than max_length (token lists cut before they become tensors). A row with images keeps
     each sample's context for the engine (vl_samples.VlContext; `image_path`: stored file name -> path)."""
-    tokens = bool(row.input_ids) and row.loss_mask is not None
+    images = any(m.images for m in row.messages or ())
+    # A row with images trains from its messages even when it has token ids (api generate on SGLang):
+    # the engine takes images only with messages (its chat API), and a sample must be the sequence the
+    # engine renders, so the answer is the template's tokenization of its text, not the server's ids.
+    tokens = bool(row.input_ids) and row.loss_mask is not None and not images
     stats["token_rows" if tokens else "template_rows"] += 1
     if tokens:
         pairs = S.token_generations(row, max_length) if samples == "per_generation" else None
@@ -171,7 +175,6 @@ def _row_examples(
     renderer = renderer_factory()
     tools = json.loads(row.tools) if row.tools else None
     messages = template_messages(row)
-    images = any(m.images for m in row.messages or ())
     if images:
         stats["image_rows"] += 1
         if image_path is None:

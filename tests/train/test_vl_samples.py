@@ -17,6 +17,7 @@ from regen_service.train.eval_set import EvalSet
 from regen_service.train.target import VL_NEEDS_ENGINE, TargetBackend
 from regen_service.train.vl_samples import VlContext, align, context_for, request_messages
 from schemas.conversation import Message, with_image_parts
+from schemas.media import ImageRef
 
 PAD = 9
 SHA = "ab" * 32
@@ -107,3 +108,27 @@ def test_the_kimi_k25_template_renders_a_row_with_images_for_training(tmp_path):
     assert got_ids == widened and sum(got_mask) == sum(mask) and len(got_mask) == len(ids) + 10
     ctx = context_for(template, lambda name: f"runs/r/images/{name}")
     assert ctx.images == (f"runs/r/images/{SHA}.png",) * 2
+
+
+def test_a_token_row_with_images_trains_from_its_messages():
+    # api generate rows (SGLang /generate with image_data) carry ids with one placeholder per image; the
+    # engine takes images only with messages, so such a row renders like a chat row and keeps its images
+    from transformers import AutoTokenizer
+
+    from regen_service.train.data import ChatRenderer, table_examples
+    from regen_service.train.fixtures import DEMO_TOKENIZER
+    from schemas.rows import OutputRow, output_table
+
+    part = {"offset": 0, "sha256": SHA, "media_type": "image/png", "width": 2, "height": 2, "num_bytes": 3}
+    user = Message(role="user", content="what").model_copy(update={"images": (ImageRef(**part),)})
+    row = OutputRow(
+        run_id="r", prompt_id="p", messages=(user, Message(role="assistant", content="a cat")),
+        input_ids=[1, 2, 3], loss_mask=[0, 1, 1], api="generate",
+    )  # fmt: skip
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(DEMO_TOKENIZER))
+    exs, stats = table_examples(
+        output_table([row]), lambda: renderer, 512, "conversation", lambda n: f"/i/{n}"
+    )
+    (ex,) = exs
+    assert stats["template_rows"] == 1 and stats["token_rows"] == 0 and stats["image_rows"] == 1
+    assert ex.vl is not None and ex.vl.images == (f"/i/{SHA}.png",) and ex.ids.tolist() != [1, 2, 3]
