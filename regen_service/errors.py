@@ -46,6 +46,15 @@ class RowTerminalError(TerminalError):
         self.status_code = status_code
 
 
+class ImageUnavailableError(RowTerminalError):
+    """An image a prompt names cannot be sent: its file in the run's image store is missing, or its
+    bytes no longer hash to the name the prompt holds (the store was pruned or written over)."""
+
+
+class RequestImagesTooLargeError(RowTerminalError):
+    """The images one request would carry exceed the worker's max_request_image_bytes."""
+
+
 class EndpointTerminalError(TerminalError):
     """This endpoint must not be used again (401, wrong model served); other endpoints may still work."""
 

@@ -29,6 +29,7 @@ from schemas.records import RunManifest, ShardDoneEvent, SourceStats
 from schemas.rows import OutputRow, Turn, output_rows, output_table
 from schemas.tables import (
     OUTPUT_SCHEMA,
+    OUTPUT_SCHEMA_IMAGES,
     PROMPT_SCHEMA,
     QUARANTINE_SCHEMA,
     SCHEMA_VERSION,
@@ -36,6 +37,7 @@ from schemas.tables import (
 
 __all__ = [
     "OUTPUT_SCHEMA",
+    "OUTPUT_SCHEMA_IMAGES",
     "PROMPT_SCHEMA",
     "QUARANTINE_SCHEMA",
     "SCHEMA_VERSION",

@@ -105,6 +105,27 @@ class Message(BaseModel):
         )
 
 
+def image_parts(messages) -> list[dict] | None:
+    """The `images` column value of a row (schemas.media.IMAGE_PART): each image part of the messages
+    with the index of its message; None when there is none (text-only rows stay null)."""
+    parts = [
+        {"message_index": i, **ref.model_dump()} for i, m in enumerate(messages) for ref in m.images or ()
+    ]
+    return parts or None
+
+
+def with_image_parts(messages: list[Message], parts: list[dict] | None) -> list[Message]:
+    """The messages with the `images` column's parts put back on the messages they belong to."""
+    by_message: dict[int, list[ImageRef]] = {}
+    for p in parts or ():
+        fields = {k: v for k, v in p.items() if k != "message_index"}
+        by_message.setdefault(p["message_index"], []).append(ImageRef(**fields))
+    return [
+        m.model_copy(update={"images": tuple(by_message[i])}) if i in by_message else m
+        for i, m in enumerate(messages)
+    ]
+
+
 class Conversation(BaseModel):
     """A normalized conversation: messages in order, and the tools offered (OpenAI function schemas)."""
 

@@ -14,8 +14,7 @@ import json
 
 import pyarrow as pa
 
-from schemas.conversation import Conversation, Message, PromptRecord
-from schemas.media import ImageRef
+from schemas.conversation import Conversation, Message, PromptRecord, image_parts, with_image_parts
 from schemas.tables import PROMPT_SCHEMA, PROMPT_SCHEMA_IMAGES
 
 
@@ -49,17 +48,8 @@ def prompt_row(
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "num_dropped_parts": num_dropped_parts,
-        "images": _image_parts(conv) if conv is not None else None,
+        "images": image_parts(conv.messages) if conv is not None else None,
     }
-
-
-def _image_parts(conv: Conversation) -> list[dict] | None:
-    parts = [
-        {"message_index": i, **ref.model_dump()}
-        for i, m in enumerate(conv.messages)
-        for ref in m.images or ()
-    ]
-    return parts or None
 
 
 def prompt_table(rows: list[dict]) -> pa.Table:
@@ -69,17 +59,6 @@ def prompt_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-def _with_images(messages: list[Message], parts: list[dict] | None) -> list[Message]:
-    by_message: dict[int, list[ImageRef]] = {}
-    for p in parts or ():
-        fields = {k: v for k, v in p.items() if k != "message_index"}
-        by_message.setdefault(p["message_index"], []).append(ImageRef(**fields))
-    return [
-        m.model_copy(update={"images": tuple(by_message[i])}) if i in by_message else m
-        for i, m in enumerate(messages)
-    ]
-
-
 def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
     out = []
     for d in table.to_pylist():
@@ -87,7 +66,7 @@ def prompts_from_table(table: pa.Table) -> list[PromptRecord]:
         if d["messages"] is not None:
             messages = [Message.from_dict(m) for m in d["messages"]]
             conv = Conversation(
-                messages=tuple(_with_images(messages, d.get("images"))),
+                messages=tuple(with_image_parts(messages, d.get("images"))),
                 tools=tools_from_json(d["tools"]),
             )
         out.append(

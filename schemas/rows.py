@@ -8,6 +8,10 @@ fields are OUTPUT_SCHEMA's columns in order (checked at import), so the Parquet 
 untyped dicts produced. Prompt rows are schemas.conversation.PromptRecord; what to write where is
 the service's business.
 
+Image parts live on the messages (Message.images), as in prompt rows; `to_record` writes them as the
+`images` column (OUTPUT_SCHEMA_IMAGES, schema version 2: refs, never bytes) and `from_record` puts
+them back on the messages, so a row read back holds the images its prompt held.
+
 Every column of OUTPUT_SCHEMA is nullable and readers select subsets of columns (the trainer reads
 six), so every field defaults to None: a column not read reads as None, like a null.
 """
@@ -19,8 +23,8 @@ from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
 
-from schemas.conversation import Message
-from schemas.tables import OUTPUT_SCHEMA, TURN
+from schemas.conversation import Message, image_parts, with_image_parts
+from schemas.tables import OUTPUT_SCHEMA, OUTPUT_SCHEMA_IMAGES, TURN
 
 
 @dataclass(slots=True)
@@ -82,6 +86,8 @@ class OutputRow:
         d = {f: getattr(self, f) for f in _ROW_FIELDS}
         if self.messages is not None:
             d["messages"] = [m.to_dict("arrow") for m in self.messages]
+            if parts := image_parts(self.messages):  # only then: a text row's record is what it was
+                d["images"] = parts
         if self.turns is not None:
             d["turns"] = [asdict(t) for t in self.turns]
         return d
@@ -91,7 +97,8 @@ class OutputRow:
         """A row from a dict of some or all of OUTPUT_SCHEMA's columns (a Parquet row, a JSON line)."""
         row = cls(**{f: d.get(f) for f in _ROW_FIELDS})
         if row.messages is not None:
-            row.messages = tuple(Message.from_dict(m) for m in row.messages)
+            messages = [Message.from_dict(m) for m in row.messages]
+            row.messages = tuple(with_image_parts(messages, d.get("images")))
         if row.turns is not None:
             row.turns = [Turn.from_record(t) for t in row.turns]
         return row
@@ -101,14 +108,19 @@ _ROW_FIELDS = tuple(f.name for f in fields(OutputRow))
 _TURN_FIELDS = tuple(f.name for f in fields(Turn))
 # The dataclasses are the schemas' columns, in order: a column added to one and not the other would
 # silently read as None or be dropped on write.
+# (`images` is no field: it is the messages' image parts, OUTPUT_SCHEMA_IMAGES's last column.)
 _COLUMNS = (tuple(OUTPUT_SCHEMA.names), tuple(f.name for f in TURN))
-if (_ROW_FIELDS, _TURN_FIELDS) != _COLUMNS:
+if (_ROW_FIELDS, _TURN_FIELDS) != _COLUMNS or OUTPUT_SCHEMA_IMAGES.names != [*OUTPUT_SCHEMA.names, "images"]:
     raise TypeError("schemas.rows: OutputRow/Turn fields differ from OUTPUT_SCHEMA/TURN's columns")
 
 
-def output_table(rows: Iterable[OutputRow]) -> pa.Table:
-    """The rows as a pyarrow Table with OUTPUT_SCHEMA (its metadata included)."""
-    return pa.Table.from_pylist([r.to_record() for r in rows], schema=OUTPUT_SCHEMA)
+def output_table(rows: Iterable[OutputRow], *, images: bool = False) -> pa.Table:
+    """The rows as a pyarrow Table with OUTPUT_SCHEMA (its metadata included), or OUTPUT_SCHEMA_IMAGES
+    (version 2) when `images` (the run's prompts hold images) or any row has an image part; pyarrow
+    ignores the records' `images` key under OUTPUT_SCHEMA."""
+    records = [r.to_record() for r in rows]
+    with_images = images or any(r.get("images") for r in records)
+    return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA_IMAGES if with_images else OUTPUT_SCHEMA)
 
 
 def output_rows(table: pa.Table) -> list[OutputRow]:

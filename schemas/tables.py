@@ -106,6 +106,14 @@ OUTPUT_SCHEMA = pa.schema(
     metadata=_META,
 )
 
+# An output shard of a run whose prompts hold images: OUTPUT_SCHEMA plus the same `images` column as
+# prompt shards (refs: message index, offset, hash, type, size; never bytes), schema version "2". Every
+# output shard of such a run carries it (null on text-only rows), so `datasets` reads the run's shards
+# as one table; a text-only run's shards are written exactly as before (version "1").
+OUTPUT_SCHEMA_IMAGES = OUTPUT_SCHEMA.append(pa.field("images", pa.list_(IMAGE_PART))).with_metadata(
+    {SCHEMA_VERSION_KEY: IMAGES_SCHEMA_VERSION.encode()}
+)
+
 QUARANTINE_SCHEMA = pa.schema(
     [
         ("source", pa.string()),

@@ -134,6 +134,7 @@ def read_api_key(env_var: str, key_file: str | None):
 @config_option(WorkerConfig, "pool.endpoints", "--endpoint", help="SGLang base URL; repeat for several")
 @config_option(WorkerConfig, "bounds.max_shards_in_hand", "--max-shards-in-hand", "--concurrency")
 @config_option(WorkerConfig, "bounds.exit_after_no_endpoint_s", "--exit-after-no-endpoint-s")
+@config_option(WorkerConfig, "bounds.max_request_image_bytes", "--max-request-image-bytes")
 @config_option(WorkerConfig, "pool.max_inflight_per_endpoint", "--max-inflight-per-endpoint")
 @click.option(
     "--api-key-env",

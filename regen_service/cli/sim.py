@@ -140,6 +140,13 @@ def _accept_rules(_ctx, _param, values: tuple[str, ...]) -> dict[str, float]:
 )
 @click.option("--tick-s", type=float, default=0.015, show_default=True, help="Scheduler tick, seconds.")
 @click.option(
+    "--image-token-px",
+    type=int,
+    default=28,
+    show_default=True,
+    help="Side in pixels of the square one image token covers (Kimi-K2.5: 14 px patches merged 2x2).",
+)
+@click.option(
     "--spec-accept-length",
     type=float,
     default=0.0,

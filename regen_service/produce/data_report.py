@@ -60,10 +60,15 @@ def source_warnings(
 
 
 def format_report(report: dict[str, dict]) -> str:
-    lines = [f"{'source':<24}{'read':>8}{'kept':>8}{'dup':>6}{'quarantined':>13}  top reasons"]
+    """The enqueue table. Image columns (image parts kept, distinct images stored) appear only when
+    some source has images, so a text-only run prints the table it always printed."""
+    with_images = any(s.get("images") or s.get("images_stored") for s in report.values())
+    img_head = f"{'images':>8}{'stored':>8}" if with_images else ""
+    lines = [f"{'source':<24}{'read':>8}{'kept':>8}{'dup':>6}{'quarantined':>13}{img_head}  top reasons"]
     for name, s in report.items():
         top = "; ".join(f"{r['count']}x {r['reason']}" for r in s["top_reasons"]) or "-"
+        imgs = f"{s.get('images', 0):>8}{s.get('images_stored', 0):>8}" if with_images else ""
         lines.append(
-            f"{name:<24}{s['read']:>8}{s['kept']:>8}{s['duplicate']:>6}{s['quarantined']:>13}  {top}"
+            f"{name:<24}{s['read']:>8}{s['kept']:>8}{s['duplicate']:>6}{s['quarantined']:>13}{imgs}  {top}"
         )
     return "\n".join(lines)

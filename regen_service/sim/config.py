@@ -54,6 +54,10 @@ class SimConfig(BaseModel):
     think_prob: float = Field(default=0.5, ge=0, le=1)
     tool_call_prob: float = Field(default=0.3, ge=0, le=1)
 
+    # Images (images.py): the side in pixels of the square one image token covers (Kimi-K2.5's MoonViT:
+    # 14 px patches merged 2x2); an image adds ceil(w/px) * ceil(h/px) prompt tokens.
+    image_token_px: int = Field(default=28, ge=1)
+
     # Capacity model (see capacity.py).
     max_running_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=4096, ge=0)

@@ -21,6 +21,7 @@ from regen_service.sim.capacity import Job, QueueFull, Scheduler
 from regen_service.sim.config import SimConfig
 from regen_service.sim.faults import NO_FAULT, FaultDecider, FaultPlan
 from regen_service.sim.hf import load_tokenizer
+from regen_service.sim.images import MEDIA_PAD, BadImage, SimImage, chat_images, extra_tokens, generate_images
 from regen_service.sim.stats import Stats
 
 
@@ -79,20 +80,40 @@ class Engine:
             raise ContextTooLong(prompt_tokens, ctx)
         return ctx - prompt_tokens
 
-    def prepare_generate(self, text, input_ids, max_new_tokens, rid) -> Prepared:
+    def _images(self, images: list[SimImage], placeholders: int | None) -> int:
+        """Prompt tokens the images add (see images.py); BadRequest when their number does not match
+        the prompt's image placeholders (`placeholders`; None: chat, where parts place them)."""
+        if placeholders is not None and images and placeholders != len(images):
+            raise BadRequest(
+                f"the prompt has {placeholders} image placeholder(s) ({MEDIA_PAD}) and image_data has "
+                f"{len(images)} image(s); they must match one to one"
+            )
+        self.stats.images(len(images))
+        return extra_tokens(images, self.cfg.image_token_px)
+
+    def prepare_generate(self, text, input_ids, max_new_tokens, rid, image_data=None) -> Prepared:
         t0 = time.monotonic()
+        try:
+            images = generate_images(image_data)
+        except BadImage as e:
+            self.stats.num_bad_images += 1
+            raise BadRequest(str(e)) from None
+        # The answer follows the images too (two pictures, two answers); text-only keys are unchanged.
+        seen = [im.sha256 for im in images]
         if input_ids is not None:
             if not isinstance(input_ids, list) or not all(isinstance(i, int) for i in input_ids):
                 raise BadRequest("input_ids must be a list of integers")
-            prompt_tokens = len(input_ids)
+            pads = input_ids.count(self.tok.media_pad_id) if images else None
+            prompt_tokens = len(input_ids) + self._images(images, pads)
             self._check_context(prompt_tokens)
             prompt_text = self.tok.decode(input_ids[-4096:])
-            key = answer_key(self.cfg.seed, "ids", input_ids)
+            key = answer_key(self.cfg.seed, "ids", [input_ids, seen] if seen else input_ids)
         elif isinstance(text, str):
-            prompt_tokens = self.tok.count(text)
+            pads = text.count(MEDIA_PAD) if images else None
+            prompt_tokens = self.tok.count(text) + self._images(images, pads)
             self._check_context(prompt_tokens)
             prompt_text = text
-            key = answer_key(self.cfg.seed, "text", text)
+            key = answer_key(self.cfg.seed, "text", [text, seen] if seen else text)
         else:
             raise BadRequest("Either text or input_ids should be provided.")
         room = self.cfg.context_length - prompt_tokens
@@ -114,9 +135,15 @@ class Engine:
         if not isinstance(template_kwargs, dict):
             raise BadRequest("chat_template_kwargs must be an object")
         try:
+            images = chat_images(messages)
+        except BadImage as e:
+            self.stats.num_bad_images += 1
+            raise BadRequest(str(e)) from None
+        try:
             prompt_text, prompt_tokens = self.tok.render_chat(messages, tools, template_kwargs)
         except Exception as e:  # a template error is the request's fault, as in SGLang
             raise BadRequest(f"Failed to apply the chat template: {e}") from e
+        prompt_tokens += self._images(images, None)
         room = self._check_context(prompt_tokens)
         key = answer_key(self.cfg.seed, "chat", {"messages": messages, "tools": tools or None})
         eligible = bool(tools) and messages[-1].get("role") == "user"

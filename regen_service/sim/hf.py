@@ -46,6 +46,7 @@ class HFTokenizer:
             self._load_auto(path)
         end = self._token_id(IM_END)
         self.im_end_id = end if end is not None else self._eos_id
+        self.media_pad_id = self._token_id("<|media_pad|>")
 
     def _load_light(self, root: Path) -> None:
         from tokenizers import Tokenizer

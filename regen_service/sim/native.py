@@ -43,9 +43,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if batch is not None:
         if stream:
             return native_error(400, "The simulator does not stream batch requests; send them one by one.")
+        if body.get("image_data") is not None:
+            return native_error(
+                400, "The simulator takes image_data in single requests only; send them one by one."
+            )
         return await _batch(request, engine, body, sp, batch, is_text=isinstance(text, list))
     try:
-        prep = engine.prepare_generate(text, ids, sp.get("max_new_tokens"), body.get("rid"))
+        prep = engine.prepare_generate(
+            text, ids, sp.get("max_new_tokens"), body.get("rid"), body.get("image_data")
+        )
     except ContextTooLong as e:
         if stream:
             resp = await start_sse(request)

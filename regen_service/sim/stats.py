@@ -26,6 +26,8 @@ _COUNTERS = (
     "num_error_events_injected",
     "num_aborts_injected",
     "num_client_disconnects",
+    "images_total",  # images in requests the simulator took (each decoded and counted as tokens)
+    "num_bad_images",  # requests refused with 400 for an image that cannot be read
 )
 
 
@@ -75,6 +77,9 @@ class Stats:
             self._t0 = self._t_last = time.monotonic()
         self.requests_total += 1
         self.prompt_tokens += prompt_tokens
+
+    def images(self, n: int) -> None:
+        self.images_total += n
 
     def add_tokens(self, n: int) -> None:
         self.tokens_generated += n

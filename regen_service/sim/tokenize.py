@@ -20,6 +20,8 @@ from bisect import bisect_right
 from itertools import repeat
 from typing import Protocol
 
+from regen_service.sim.images import IMAGE_TEXT
+
 MARKERS = {
     "[BOS]": 163584,
     "[EOS]": 163585,
@@ -33,6 +35,10 @@ MARKERS = {
     "<|tool_call_begin|>": 163597,
     "<|tool_call_argument_begin|>": 163598,
     "<|tool_call_end|>": 163599,
+    "<|media_begin|>": 163602,
+    "<|media_content|>": 163603,
+    "<|media_end|>": 163604,
+    "<|media_pad|>": 163605,
     "<think>": 163606,
     "</think>": 163607,
 }
@@ -80,6 +86,7 @@ _COUNT_RE = re.compile(rf"{_MARKER_RE}|\w+|[^\w\s]")
 class Tokenizer(Protocol):
     path: str | None
     im_end_id: int
+    media_pad_id: int | None  # the image placeholder's id (Kimi's <|media_pad|>), None when absent
 
     def count(self, text: str) -> int: ...
     def encode(self, text: str) -> list[int]: ...
@@ -99,6 +106,7 @@ class SyntheticTokenizer:
         self._id_of = {" " + w: _WORD_BASE + i for i, w in enumerate(WORDS)} | dict(MARKERS)
         self._str_of = {v: k for k, v in self._id_of.items()}
         self.im_end_id = MARKERS[IM_END]
+        self.media_pad_id = MARKERS["<|media_pad|>"]
 
     def count(self, text: str) -> int:
         return len(_COUNT_RE.findall(text))
@@ -193,5 +201,9 @@ def _content_text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    # OpenAI content parts: keep the text ones
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    # OpenAI content parts: text as is, an image as Kimi-K2.5's template renders it (its placeholder)
+    return "".join(
+        IMAGE_TEXT if p.get("type") == "image_url" else p.get("text", "")
+        for p in content
+        if isinstance(p, dict)
+    )

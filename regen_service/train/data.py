@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -24,6 +25,7 @@ import torch
 
 from regen_service.errors import ConfigError
 from regen_service.train import samples as S
+from regen_service.train.vl_samples import VlContext, context_for
 from schemas.rows import OutputRow, output_rows
 
 _SENTINEL = "REGEN_PROBE_9f3b"
@@ -36,6 +38,7 @@ CUT_MARGIN = (
 class Example:
     ids: torch.Tensor  # int64 [T]
     mask: torch.Tensor  # int64 [T], 1 on assistant tokens
+    vl: VlContext | None = None  # the images in its context, for the engine (vl_samples.py); None: text
 
 
 class ChatRenderer:
@@ -152,11 +155,16 @@ def template_messages(row: OutputRow) -> list[dict]:
 
 
 def _row_examples(
-    row: OutputRow, renderer_factory, samples: str, stats: dict, max_length: int
+    row: OutputRow, renderer_factory, samples: str, stats: dict, max_length: int, image_path=None
 ) -> list[Example]:
     """One row -> its examples: per generation (samples.py) where asked and possible, else the row;
-    none longer than max_length (token lists cut before they become tensors)."""
-    tokens = bool(row.input_ids) and row.loss_mask is not None
+    none longer than max_length (token lists cut before they become tensors). A row with images keeps
+    each sample's context for the engine (vl_samples.VlContext; `image_path`: stored file name -> path)."""
+    images = any(m.images for m in row.messages or ())
+    # A row with images trains from its messages even when it has token ids (api generate on SGLang):
+    # the engine takes images only with messages (its chat API), and a sample must be the sequence the
+    # engine renders, so the answer is the template's tokenization of its text, not the server's ids.
+    tokens = bool(row.input_ids) and row.loss_mask is not None and not images
     stats["token_rows" if tokens else "template_rows"] += 1
     if tokens:
         pairs = S.token_generations(row, max_length) if samples == "per_generation" else None
@@ -167,12 +175,22 @@ def _row_examples(
     renderer = renderer_factory()
     tools = json.loads(row.tools) if row.tools else None
     messages = template_messages(row)
+    if images:
+        stats["image_rows"] += 1
+        if image_path is None:
+            raise ConfigError("a row holds images but the trainer was given no image store to read them from")
     if samples == "per_generation":
         pairs = S.template_generations(renderer, messages, tools, row.turns or [], max_length)
         if pairs is not None:
             stats["generation_samples"] += len(pairs)
-            return S.as_examples(pairs, Example)
-    return [renderer.encode(messages, tools, max_length)]
+            out = S.as_examples(pairs, Example)
+            if images:  # turn i's sample is the rendering of messages[: i + 1] (samples.generation_turns)
+                for ex, (i, thinking) in zip(out, S.generation_turns(messages, row.turns or []), strict=True):
+                    ex.vl = context_for(messages[: i + 1], image_path, thinking=thinking)
+            return out
+    ex = renderer.encode(messages, tools, max_length)
+    ex.vl = context_for(messages, image_path) if images else None
+    return [ex]
 
 
 def _cut_token_columns(table: pa.Table, max_length: int) -> pa.Table:
@@ -186,22 +204,28 @@ def _cut_token_columns(table: pa.Table, max_length: int) -> pa.Table:
 
 
 def table_examples(
-    table: pa.Table, renderer_factory, max_length: int, samples: str = "conversation"
+    table: pa.Table,
+    renderer_factory,
+    max_length: int,
+    samples: str = "conversation",
+    image_path: Callable[[str], str] | None = None,
 ) -> tuple[list[Example], dict]:
     """Rows of one output shard -> examples. renderer_factory() is only called if a row needs it.
-    samples: "conversation" (one per row) or "per_generation" (one per answered turn, samples.py)."""
+    samples: "conversation" (one per row) or "per_generation" (one per answered turn, samples.py).
+    image_path: a stored image's file name -> its path (RunLayout.image_path), for rows with images."""
     stats = {"rows": table.num_rows, "errors": 0, "token_rows": 0, "template_rows": 0, "no_loss": 0}
-    stats["generation_samples"] = 0
+    stats.update(generation_samples=0, image_rows=0)
     examples = []
-    cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns")
+    # `images`: the messages' image parts (OUTPUT_SCHEMA_IMAGES), put back on them by output_rows
+    cols = ("messages", "tools", "input_ids", "loss_mask", "error", "turns", "images")
     for row in output_rows(
         _cut_token_columns(table.select([c for c in cols if c in table.column_names]), max_length)
     ):
         if row.error:
             stats["errors"] += 1
             continue
-        for ex in _row_examples(row, renderer_factory, samples, stats, max_length):
-            ex = Example(ex.ids[:max_length].to(torch.int64), ex.mask[:max_length].to(torch.int64))
+        for ex in _row_examples(row, renderer_factory, samples, stats, max_length, image_path):
+            ex = Example(ex.ids[:max_length].to(torch.int64), ex.mask[:max_length].to(torch.int64), ex.vl)
             if int(ex.mask.sum()) == 0 or ex.ids.numel() < 2:
                 stats["no_loss"] += 1
                 continue

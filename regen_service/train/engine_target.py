@@ -9,18 +9,16 @@ token ids to `/v1/completions` (one token generated), waits on the flock of the 
 [T, 4, H]: the three aux layers, concatenated to [T, 3H] as HFTarget gives them, and the final layer,
 through the target's own final norm and lm_head (the only target weights loaded here, with the
 embedding the draft shares) to the target's prediction per position. The files must be on a filesystem
-this process reads (the engine's host; /dev/shm is fastest); each is deleted once read. Which shards to
-train on, and the training itself, are the loop's (loop.py).
+this process reads (the engine's host; /dev/shm is fastest); each is deleted once read (engine_files.py).
+A sample whose context holds images goes through `/v1/chat/completions` instead, its images inline, and
+trains on the engine's expanded sequence (`example_states`, vl_samples.py). Which shards to train on,
+and the training itself, are the loop's (loop.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
-import stat
-import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,140 +26,11 @@ from types import SimpleNamespace
 import httpx
 import torch
 
-from regen_service.errors import ConfigError, RegenError
+from regen_service.errors import ConfigError
+from regen_service.train.data import collate
+from regen_service.train.engine_files import EngineStateError, load_head_weights, read_state_file
 from regen_service.train.target import TargetBackend, checked_aux_layer_ids, head_outputs
-
-
-class EngineStateError(RegenError):
-    """The engine did not deliver the hidden states of a sequence (down, misconfigured, file missing)."""
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index when the checkpoint is sharded."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out: dict[str, Path] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update(dict.fromkeys(st.keys(), f))
-    return out
-
-
-def _pick(names: dict[str, Path], suffix: str, what: str, where: Path) -> str:
-    # Multimodal targets (Kimi-K2.5) prefix the text model (`language_model.`); vision towers have
-    # their own norms, so the shortest name with the suffix outside a vision tower is the text model's.
-    found = sorted((n for n in names if n.endswith(suffix) and "vision" not in n), key=len)
-    if not found:
-        raise ConfigError(f"--target {where}: no tensor named *{suffix} ({what}) in its safetensors files")
-    return found[0]
-
-
-def load_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """embed_tokens, the final norm and lm_head of a local checkpoint, without loading the rest."""
-    from safetensors import safe_open
-
-    p = Path(path)
-    names = _weight_files(p)
-    if not names:
-        raise ConfigError(f"--target {p}: no *.safetensors weights there (the trainer reads the embedding)")
-    keys = {
-        "embed": _pick(names, "embed_tokens.weight", "the input embedding", p),
-        "norm": _pick(names, "model.norm.weight", "the final norm", p),
-    }
-    lm_head = [n for n in names if n.endswith("lm_head.weight")]
-    keys["lm_head"] = min(lm_head, key=len) if lm_head else keys["embed"]  # tied embeddings
-    out = {}
-    for role, name in keys.items():
-        with safe_open(str(names[name]), "pt") as st:
-            out[role] = st.get_tensor(name)
-    return out
-
-
-STATES_KEYS = "hidden_states [T, layers, H] and token_ids [T], the safetensors file vllm_connector.py writes"
-
-
-def confined(path: object, states_dir: str | Path) -> Path:
-    """The engine's `hidden_states_path` resolved (symlinks followed), refused unless it is a
-    .safetensors file inside `states_dir`: the reply is the engine's word, and the trainer deletes
-    what it reads, so a path elsewhere (another run's states, a model's weights) is never touched."""
-    root = Path(os.path.realpath(states_dir))
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise EngineStateError(f"the engine's hidden_states_path {path!r} is not a file path")
-    real = Path(os.path.realpath(root / path))  # an absolute `path` replaces root in the join
-    if root not in real.parents or real.suffix != ".safetensors":
-        raise EngineStateError(
-            f"the engine's hidden_states_path {path!r} is not a .safetensors file inside target_states_dir "
-            f"{root}: refused, nothing read or deleted. Set target_states_dir to the folder the engine was "
-            "started with (`regen launch-vllm --hidden-states DIR`)"
-        )
-    return real
-
-
-def _wait_for_writer(lock: Path, path: str, timeout_s: float) -> int:
-    """A shared flock on the engine's lock file, polled until `timeout_s`: a writer that never lets go
-    (or another process holding the lock) is an error, not a trainer hung for good."""
-    try:
-        # O_NONBLOCK: a FIFO planted as the lock must not block the open itself
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise EngineStateError(
-            f"the engine wrote hidden states to {path}, which this trainer cannot read (no {lock.name}): run "
-            "the trainer on the engine's host, or set the engine's shared_storage_path to a shared filesystem"
-        ) from None
-    except OSError as e:
-        raise EngineStateError(f"{lock}: cannot open the engine's lock file ({e.strerror})") from None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise EngineStateError(
-                    f"{lock} is still locked after {timeout_s:g} s (target_request_timeout_s): the engine "
-                    f"is stuck writing {path}, or another process holds the lock; restart the engine, or "
-                    "remove the lock file if no engine writes there"
-                ) from None
-            time.sleep(0.01)
-
-
-def read_state_file(path: str, states_dir: str | Path, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
-    """The engine's file, once its writer released the lock (vLLM's own `load_hidden_states` protocol),
-    read only inside `states_dir` and deleted (with its lock) once read."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    real = confined(path, states_dir)
-    lock = Path(os.path.realpath(str(real) + ".lock"))
-    if lock != real.with_name(real.name + ".lock"):  # a symlink: its target may lie anywhere
-        raise EngineStateError(f"{real}.lock is a link to {lock}: refused, nothing read or deleted")
-    fd = _wait_for_writer(lock, path, timeout_s)
-    try:
-        if not stat.S_ISREG(os.stat(real, follow_symlinks=False).st_mode):
-            raise EngineStateError(f"{path} is not a regular file; expected {STATES_KEYS}")
-        data = load_file(str(real), device="cpu")
-    except FileNotFoundError:
-        raise EngineStateError(
-            f"the engine wrote hidden states to {path}, which this trainer cannot read (no such file): run "
-            "the trainer on the engine's host, or set the engine's shared_storage_path to a shared filesystem"
-        ) from None
-    except (SafetensorError, OSError, ValueError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise EngineStateError(f"{path} is not a states file ({why}); expected {STATES_KEYS}") from None
-    finally:
-        os.close(fd)
-    hs, ids = data.get("hidden_states"), data.get("token_ids")
-    if hs is None or ids is None or hs.ndim != 3 or ids.ndim != 1 or hs.shape[0] != ids.shape[0]:
-        got = {k: list(v.shape) for k, v in data.items()}
-        raise EngineStateError(f"{path} holds {got}; expected {STATES_KEYS}")
-    for f in (real, lock):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(f)
-    return data
+from regen_service.train.vl_samples import VlContext, align, request_messages
 
 
 class VllmTarget(TargetBackend):
@@ -179,8 +48,10 @@ class VllmTarget(TargetBackend):
         num_parallel_requests: int = 8,
         request_timeout_s: float = 600.0,
         api_key: str | None = None,
+        read_image: Callable[[str], bytes] | None = None,
     ):
         self.path = path
+        self._read_image = read_image  # a stored image's bytes, by its storage path (samples with images)
         if not states_dir:
             raise ConfigError(
                 "target_states_dir is not set: set it to the folder the engine writes hidden states to "
@@ -201,6 +72,8 @@ class VllmTarget(TargetBackend):
         self.hidden_size: int = tc.hidden_size
         self.vocab_size: int = tc.vocab_size
         self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, self.num_layers)
+        # the placeholder the engine widens to an image's tokens (Kimi-K2.5's <|media_pad|>)
+        self.image_token_id = raw.get("media_placeholder_token_id", raw.get("image_token_id"))
         w = load_head_weights(path)
         self._embed = w["embed"]
         # Kimi-K2.5's head is 163840 x 7168: bf16 on a GPU (2.3 GB), fp32 where the CPU computes it.
@@ -253,15 +126,37 @@ class VllmTarget(TargetBackend):
             )
 
     def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+        got, generated, _ = self._post("/v1/completions", body)
+        if got["token_ids"].tolist() != ids:
+            raise EngineStateError(f"{self.endpoint} wrote another sequence's states than the one sent")
+        return got["hidden_states"], generated
+
+    def _chat_states(self, ctx: VlContext) -> tuple[list[int], torch.Tensor]:
+        """A sample with images: its conversation through the chat API, the images inline, rendered by
+        the engine's own template and processor (which widens each image placeholder to the image's
+        tokens) -> (the engine's token ids, their states)."""
+        if self._read_image is None:
+            raise ConfigError("a sample holds images but this target backend was given no image store")
         body = {
-            "model": self.model,
-            "prompt": ids,
+            "messages": request_messages(ctx, self._read_image),
             "max_tokens": 1,
             "temperature": 0,
             "return_token_ids": True,
+            "add_generation_prompt": False,  # the sample ends with the answer: render it, ask nothing
+            "chat_template_kwargs": json.loads(ctx.template_kwargs),
         }
+        got, _, prompt_ids = self._post("/v1/chat/completions", body)
+        if prompt_ids is None or got["token_ids"].tolist() != prompt_ids:
+            raise EngineStateError(
+                f"{self.endpoint} wrote another sequence's states than the prompt it names"
+            )
+        return prompt_ids, got["hidden_states"]
+
+    def _post(self, route: str, body: dict) -> tuple[dict[str, torch.Tensor], int, list[int] | None]:
+        """One request of one generated token -> (its states file, the token, the prompt ids it reports)."""
         try:
-            r = self._http.post("/v1/completions", json=body)
+            r = self._http.post(route, json={"model": self.model, **body})
         except httpx.HTTPError as e:
             raise EngineStateError(f"{self.endpoint}: {type(e).__name__} {e}") from None
         if r.status_code != 200:
@@ -270,9 +165,10 @@ class VllmTarget(TargetBackend):
             data = r.json()
             path = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
             generated = int(data["choices"][0]["token_ids"][0])
+            prompt_ids = data.get("prompt_token_ids") or data["choices"][0].get("prompt_token_ids")
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             raise EngineStateError(
-                f"{self.endpoint} answered /v1/completions with {r.text[:200]!r}, not a completion carrying "
+                f"{self.endpoint} answered {route} with {r.text[:200]!r}, not a completion carrying "
                 "choices[0].token_ids and kv_transfer_params.hidden_states_path"
             ) from None
         if not path:
@@ -280,10 +176,32 @@ class VllmTarget(TargetBackend):
                 f"--target-endpoint {self.endpoint} returns no hidden_states_path: it runs without the "
                 "extract_hidden_states method; start it with `regen launch-vllm --target ... --hidden-states DIR`"
             )
-        got = read_state_file(path, self.states_dir, self._timeout_s)
-        if got["token_ids"].tolist() != ids:
-            raise EngineStateError(f"{path} holds another sequence's states than the one sent")
-        return got["hidden_states"], generated
+        return read_state_file(path, self.states_dir, self._timeout_s), generated, prompt_ids
+
+    def _example(self, ex) -> tuple[list[int], list[int], torch.Tensor]:
+        """(ids, mask, states) of one sample on the sequence the engine ran: a text sample as it is, a
+        sample with images on the engine's expanded sequence (vl_samples.align), states cut to match."""
+        ids, mask = ex.ids.tolist(), ex.mask.tolist()
+        if getattr(ex, "vl", None) is None:
+            return ids, mask, self._states(ids)[0]
+        if self.image_token_id is None:
+            raise ConfigError(
+                f"--target {self.path}: its config.json names no image placeholder token "
+                "(media_placeholder_token_id or image_token_id), but the run holds images"
+            )
+        engine_ids, states = self._chat_states(ex.vl)
+        ids, mask = align(engine_ids, ids, mask, int(self.image_token_id))
+        return ids, mask, states[: len(ids)]
+
+    def example_states(self, examples: list, draft_token_ids: torch.Tensor | None = None):
+        """As TargetBackend.example_states, samples with images included: the batch holds the engine's
+        expanded sequences (image tokens as the target saw them, never in the loss mask)."""
+        done = list(self._pool.map(self._example, examples))
+        batch = collate([SimpleNamespace(ids=torch.tensor(i), mask=torch.tensor(m)) for i, m, _ in done])
+        aux, pred, draft = self._assemble(
+            [st for _, _, st in done], batch["input_ids"].shape, draft_token_ids
+        )
+        return batch, aux, pred, draft
 
     def _normed(self, last: torch.Tensor) -> torch.Tensor:
         x = last.to(self.device, torch.float32)
@@ -305,15 +223,20 @@ class VllmTarget(TargetBackend):
         lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [t] * b
         seqs = [input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
         results = list(self._pool.map(self._states, seqs))
+        return self._assemble([st for st, _ in results], (b, t), draft_token_ids)
+
+    def _assemble(self, states: list[torch.Tensor], shape, draft_token_ids):
+        """Per-sequence states [n, 4, H] -> the batch's aux [B, T, 3H], argmax [B, T], draft logits."""
+        b, t = shape
         aux = torch.zeros(b, t, 3 * self.hidden_size, dtype=torch.bfloat16, device=self.device)
         pred = torch.zeros(b, t, dtype=torch.int64, device=self.device)
         draft = None
         if draft_token_ids is not None:
             draft = torch.zeros(b, t, len(draft_token_ids), dtype=torch.float32, device=self.device)
-        for i, (states, _) in enumerate(results):
-            n = states.shape[0]
-            aux[i, :n] = states[:, :3].reshape(n, -1).to(self.device, aux.dtype)
-            p, d = head_outputs(self._normed(states[:, 3])[None], self._lm_head, draft_token_ids)
+        for i, st in enumerate(states):
+            n = st.shape[0]
+            aux[i, :n] = st[:, :3].reshape(n, -1).to(self.device, aux.dtype)
+            p, d = head_outputs(self._normed(st[:, 3])[None], self._lm_head, draft_token_ids)
             pred[i, :n] = p[0]
             if draft is not None:
                 draft[i, :n] = d[0]

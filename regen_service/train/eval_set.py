@@ -19,6 +19,7 @@ import pyarrow as pa
 import torch
 
 from regen_service.errors import ConfigError
+from regen_service.train.vl_samples import VlContext
 from schemas.heldout import SPLIT_VERSION, HeldOutSplit
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class EvalSample:
     ids: torch.Tensor  # int64 [T]
     mask: torch.Tensor  # int64 [T], 1 on assistant tokens
     source: str
+    vl: VlContext | None = None  # the images in its context (vl_samples.py): scored through the engine
 
 
 class EvalSet:
@@ -84,7 +86,7 @@ class EvalSet:
                     return
                 ids, mask = ex.ids[: self.max_length], ex.mask[: self.max_length]
                 if ids.numel() >= 2 and int(mask[1:].sum()):
-                    self.samples.append(EvalSample(ids, mask, source))
+                    self.samples.append(EvalSample(ids, mask, source, getattr(ex, "vl", None)))
 
     def sources_without_eval(self) -> list[str]:
         """Sources trained on with no held-out prompt so far, each named (logged) once."""
@@ -105,6 +107,7 @@ class EvalSet:
             "split": self.split.model_dump(),
             "samples": [
                 {"ids": s.ids.to(torch.int32), "mask": s.mask.to(torch.int8), "source": s.source}
+                | ({"vl": s.vl.as_dict()} if s.vl else {})
                 for s in self.samples
             ],
             "trained_sources": dict(self.trained_sources),
@@ -131,7 +134,12 @@ class EvalSet:
             )
         state = state or {}
         self.samples = [
-            EvalSample(s["ids"].to(torch.int64), s["mask"].to(torch.int64), s["source"])
+            EvalSample(
+                s["ids"].to(torch.int64),
+                s["mask"].to(torch.int64),
+                s["source"],
+                VlContext.from_dict(s.get("vl")),
+            )
             for s in state.get("samples", [])
         ]
         self.trained_sources = dict(state.get("trained_sources", {}))

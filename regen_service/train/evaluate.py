@@ -1,7 +1,7 @@
 """Held-out evaluation of the draft: validation loss, per-step accuracy and simulated accept length.
 
 Each held-out sample (eval_set.py) goes through the same target backend as training (hf or vllm:
-`target.states`), and the draft is unrolled over it exactly as training-time test runs it (ttt.unroll):
+`target.example_states`), and the draft is unrolled over it exactly as training-time test runs it (ttt.unroll):
 step j at position t reads token x[t+1+j] and the draft's own hidden from step j-1. Per step j and
 position t, on the positions whose predicted token x[t+2+j] is an answer token:
 - `loss_j`: the training objective's cross-entropy (soft: against the target's distribution over the
@@ -33,7 +33,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from regen_service.train.data import collate
 from regen_service.train.dist import DistContext
 from regen_service.train.eval_set import EvalSample
 from regen_service.train.model import Eagle3Draft
@@ -126,8 +125,8 @@ def evaluate(draft: Eagle3Draft, target, samples: list[EvalSample], cfg, ctx: Di
     draft.eval()
     for b in range(0, len(mine), cfg.data.batch_size):
         chunk = mine[b : b + cfg.data.batch_size]
-        batch = collate(chunk)
-        aux, tgt, logits = target.states(batch["input_ids"], batch["attention_mask"], draft_ids)
+        # samples with images are scored on the engine's expanded sequence, as they train (vl_samples.py)
+        batch, aux, tgt, logits = target.example_states(chunk, draft_ids)
         dev = draft.fc.weight.device
         ids, mask, tgt = batch["input_ids"].to(dev), batch["loss_mask"].to(dev), tgt.to(dev)
         probs = torch.softmax(logits.to(dev).float(), -1)

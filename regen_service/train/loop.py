@@ -40,7 +40,7 @@ from regen_service.train.dist import DistContext, broadcast_object, init_distrib
 from regen_service.train.eval_set import split_table
 from regen_service.train.monitor import Monitor
 from regen_service.train.preflight import check_train_config
-from regen_service.train.target import HFTarget
+from regen_service.train.target import VL_NEEDS_ENGINE, HFTarget
 from regen_service.train.trainer import DraftTrainer, draft_config_for
 from regen_service.train.vocab import VocabCounter, build_vocab, coverage
 
@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 TRUST_SETTING = "regen train --trust-remote-code (or trust_remote_code: true in train.yaml)"
 
 
-def make_target(path: str, cfg: TrainConfig, device):
-    """The backend that gives target states: a local HF copy, or the vLLM engine holding the target."""
+def make_target(path: str, cfg: TrainConfig, device, read_image=None):
+    """The backend that gives target states: a local HF copy, or the vLLM engine holding the target
+    (`read_image`: a stored image's bytes by path, for samples with images)."""
     if cfg.target_states.target_backend == "vllm":
         from regen_service.train.engine_target import VllmTarget
 
@@ -65,6 +66,7 @@ def make_target(path: str, cfg: TrainConfig, device):
             states_dir=cfg.target_states.target_states_dir,
             num_parallel_requests=cfg.target_states.target_num_parallel_requests,
             request_timeout_s=cfg.target_states.target_request_timeout_s,
+            read_image=read_image,
         )
     return HFTarget(
         path,
@@ -91,11 +93,28 @@ def train_from_run(
     # all, then whether the config fits the target.
     require_opt_in(target_path, cfg.target_states.trust_remote_code, TRUST_SETTING)
     check_train_config(cfg, target_path)
+    refuse_images_on_hf(settings, run_id, cfg)
     ctx = init_distributed(device)
     try:
         return _Run(settings, run_id, target_path, out_dir, cfg, ctx, follow, group, consumer).run()
     finally:
         shutdown(ctx)
+
+
+def refuse_images_on_hf(settings: Settings, run_id: str, cfg: TrainConfig) -> None:
+    """A run whose manifest counts image parts cannot train with the HF backend: refused before the
+    target loads. (A shard whose rows hold images is refused again when read, for runs whose manifest
+    is not on this data root.)"""
+    if cfg.target_states.target_backend != "hf":
+        return
+    layout = RunLayout(Storage(settings.data_root), run_id)
+    if not layout.storage.exists(layout.manifest_path):
+        return
+    images = sum(
+        int(s.get("images", 0)) for s in layout.storage.read_json(layout.manifest_path)["sources"].values()
+    )
+    if images:
+        raise ConfigError(f"run {run_id} ({images} image parts): {VL_NEEDS_ENGINE}")
 
 
 class _Run:
@@ -105,7 +124,7 @@ class _Run:
         self.cfg, self.ctx, self.run_id, self.follow = cfg, ctx, run_id, follow
         self.out = Path(out_dir).resolve()
         self.storage = Storage(settings.data_root)
-        self.target = make_target(target_path, cfg, ctx.device)
+        self.target = make_target(target_path, cfg, ctx.device, self.storage.read_bytes)
         self.target_path = target_path
         self._renderer = None
         ckpt = load_latest(self.out)
@@ -185,12 +204,15 @@ class _Run:
         samples = self._samples()  # a tokenizer that cannot load is the config's fault, not the shard's
         try:
             table, held_tables, trained = split_table(self.storage.read_table(path), self.mon.evalset.split)
+            image_path = RunLayout(self.storage, ref.run_id).image_path
             examples, stats = D.table_examples(
-                table, self._renderer_factory, self.cfg.data.max_length, samples
+                table, self._renderer_factory, self.cfg.data.max_length, samples, image_path
             )
             held = {
                 "examples": {
-                    src: D.table_examples(t, self._renderer_factory, self.cfg.data.max_length, samples)[0]
+                    src: D.table_examples(
+                        t, self._renderer_factory, self.cfg.data.max_length, samples, image_path
+                    )[0]
                     for src, t in held_tables.items()
                 },
                 "trained": trained,
@@ -201,6 +223,11 @@ class _Run:
                 raise  # rank 0 read the same file first and found it good
             self._bad_shard(ref, path, e)
             return None
+        if self.cfg.target_states.target_backend == "hf" and (
+            stats["image_rows"] or any(e.vl for exs in held["examples"].values() for e in exs)
+        ):
+            # before any step: the first shard is read here for the vocabulary, before training starts
+            raise ConfigError(f"shard {ref.run_id}/{ref.shard_id}: {VL_NEEDS_ENGINE}")
         if self.ctx.is_main:
             log.info("shard %s/%d: %s, held out %s", ref.run_id, ref.shard_id, stats, held["held_rows"])
         return examples, held
@@ -326,10 +353,8 @@ class _Run:
             batches, n = D.rank_batches(exs, cfg.data.batch_size, ctx.rank, ctx.world)
             for b in range(batch0 if epoch == epoch0 else 0, n):
                 chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [exs[:1]])[0], 0.0)
-                batch = D.collate(chunk)
-                aux, tgt, dl = self.target.states(
-                    batch["input_ids"], batch["attention_mask"], self._draft_ids()
-                )
+                # the batch on the sequences the target ran (a sample with images: the engine's expanded one)
+                batch, aux, tgt, dl = self.target.example_states(chunk, self._draft_ids())
                 metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl)
                 if tr.step % cfg.tracking.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)

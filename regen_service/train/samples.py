@@ -57,22 +57,28 @@ def _thinking_on(turn: Turn, message: dict) -> bool:
     return message.get("reasoning_content") is not None
 
 
+def generation_turns(messages: list[dict], turns: list[Turn]) -> list[tuple[int, bool]]:
+    """(message index, thinking on) of each regenerated turn, in the order template_generations gives
+    its samples: the sample of turn i renders messages[: i + 1]."""
+    by_index = {t.message_index: t for t in turns or []}
+    targets = sorted(i for i in by_index if i is not None and 0 <= i < len(messages))
+    return [(i, _thinking_on(by_index[i], messages[i])) for i in targets]
+
+
 def template_generations(
     renderer, messages: list[dict], tools, turns: list[Turn], max_length: int | None = None
 ):
     """(ids, mask) per regenerated assistant turn of a template-rendered row (`messages` in the
     template form, data.template_messages); None when a turn cannot be aligned with the template (the
     caller then uses the conversation-level sample)."""
-    by_index = {t.message_index: t for t in turns or []}
-    targets = sorted(i for i in by_index if i is not None and 0 <= i < len(messages))
+    targets = generation_turns(messages, turns)
     if not targets:
         return None
     out = []
-    for i in targets:
+    for i, thinking in targets:
         msg = messages[i]
         if msg.get("role") != "assistant":
             return None
-        thinking = _thinking_on(by_index[i], msg)
         prompt = renderer.render(messages[:i], tools, add_generation_prompt=True, thinking=thinking)
         base = renderer.render(messages[:i], tools, thinking=thinking)
         gen = prompt[len(base) :] if prompt.startswith(base) else ""

@@ -17,11 +17,21 @@ import torch
 
 from regen_service.draft.aux_layers import checked_aux_layer_ids
 from regen_service.errors import ConfigError
+from regen_service.train.data import collate
 
 
 def text_config(config):
     return getattr(config, "text_config", None) or config
 
+
+# The one-line refusal of image rows where the target runs in-process: the HF backend runs the target's
+# text model on token ids only, so the image tokens would carry no image at all.
+VL_NEEDS_ENGINE = (
+    "the run holds rows with images, and target_backend hf feeds the target token ids only (its image "
+    "tokens would carry no image): train with --target-backend vllm --target-endpoint URL "
+    "--target-states-dir DIR (a vLLM started by `regen launch-vllm --hidden-states DIR`), which puts "
+    "the images in the prompt"
+)
 
 HEAD_CHUNK_ELEMS = 1 << 26  # logits elements per position chunk (the full-vocab argmax)
 
@@ -51,6 +61,17 @@ class TargetBackend:
 
     def states(self, input_ids, attention_mask=None, draft_token_ids=None):
         raise NotImplementedError
+
+    def example_states(self, examples: list, draft_token_ids: torch.Tensor | None = None):
+        """Samples (data.Example, eval_set.EvalSample) -> (batch, aux, greedy next token, draft-vocab
+        logits): the batch as data.collate makes it, on the sequences the states belong to. Text samples
+        go as they are; a backend that can put images in the prompt (engine_target.VllmTarget) overrides
+        this for samples with images (vl_samples.py)."""
+        if any(getattr(e, "vl", None) is not None for e in examples):
+            raise ConfigError(VL_NEEDS_ENGINE)
+        batch = collate(examples)
+        aux, pred, draft = self.states(batch["input_ids"], batch["attention_mask"], draft_token_ids)
+        return batch, aux, pred, draft
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None

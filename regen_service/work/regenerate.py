@@ -15,6 +15,12 @@ Every request carries the target's full history, reasoning included (the templat
 shows); `thinking: strip` drops reasoning from the stored row only. api generate turns record the
 exact prompt ids they were generated from (`prompt_len`/`prompt_ids`), for per-generation training.
 
+Image parts (issue 24) ride in every request whose history holds them, read once per row from the
+run's image store (work/images.py): as OpenAI `image_url` parts with data URLs (api chat), or as
+SGLang's `image_data` beside the prompt ids, whose template rendered each image's placeholder (api
+generate). A missing or altered image, or more image bytes than the worker's bound, fails the row
+(ImageUnavailableError / RequestImagesTooLargeError, both terminal) before anything is sent.
+
 Row-level failures never raise: they land in `error` / `error_class` with the finished turns kept,
 their text scrubbed of secrets (client.auth.scrub_secrets). EndpointTerminalError (every endpoint
 refused the key or serves another model) is not the row's fault and propagates: the worker hands the
@@ -31,6 +37,7 @@ from regen_service.work.chat_template import loss_mask_for, parse_tool_calls, pr
 from regen_service.work.client.auth import scrub_secrets
 from regen_service.work.client.http import Completion
 from regen_service.work.client.pool import EndpointPool
+from regen_service.work.images import RunImages, chat_messages, image_data, images_of
 from schemas.conversation import Message, PromptRecord
 from schemas.mix import MixSpec
 from schemas.prompt_rows import tools_to_json
@@ -38,7 +45,9 @@ from schemas.rows import OutputRow, Turn
 
 
 class Regenerator:
-    def __init__(self, pool: EndpointPool, mix: MixSpec, tokenizer=None) -> None:
+    def __init__(
+        self, pool: EndpointPool, mix: MixSpec, tokenizer=None, images: RunImages | None = None
+    ) -> None:
         if mix.target.api == "generate" and tokenizer is None:
             raise ConfigError(
                 "api: generate needs the target tokenizer (mix target.tokenizer), loaded by the caller"
@@ -46,6 +55,7 @@ class Regenerator:
         self.pool = pool
         self.mix = mix
         self.tokenizer = tokenizer
+        self.images = images  # the run's image store; None: a caller with text-only prompts
         self.api = mix.target.api
         self.thinking = mix.regenerate.thinking
         # Per-row constants, hashed once (the mix does not change under a Regenerator).
@@ -57,8 +67,11 @@ class Regenerator:
         s = self.mix.sampling
         return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p}
 
-    async def _ask(self, history: list[Message], tools) -> tuple[Completion, Message, list[int] | None]:
-        """One assistant turn: the completion, the message to store, and (generate) the prompt ids."""
+    async def _ask(
+        self, history: list[Message], tools, urls: dict[str, str]
+    ) -> tuple[Completion, Message, list[int] | None]:
+        """One assistant turn: the completion, the message to store, and (generate) the prompt ids.
+        `urls` holds the row's images as data URLs (sha256 -> URL), read once per row."""
         s = self.mix.sampling
         if self.api == "generate":
             # Rendering and tokenizing a long conversation takes seconds: never on the event loop,
@@ -69,16 +82,19 @@ class Regenerator:
             params = {**self._sampling(), "max_new_tokens": s.max_new_tokens, "skip_special_tokens": False}
             if s.seed is not None:
                 params["sampling_seed"] = s.seed
-            c = await self.pool.complete(
-                "generate", {"input_ids": ids, "sampling_params": params}, prompt_len=len(ids)
-            )
+            body = {"input_ids": ids, "sampling_params": params}
+            if images_of(history):
+                # SGLang decodes input_ids to text when image_data comes with them and expands each
+                # image placeholder the template rendered (Kimi: <|media_pad|>) to the image's tokens.
+                body["image_data"] = image_data(history, urls)
+            c = await self.pool.complete("generate", body, prompt_len=len(ids))
             reasoning, answer = split_thinking(c.text, prompt_opens_think=self.thinking != "off")
             content, calls = parse_tool_calls(answer)
         else:
             ids = None
             payload = {
                 "model": self.mix.target.model,
-                "messages": [m.to_dict("template") for m in history],
+                "messages": chat_messages(history, urls),
                 **self._sampling(),
                 "max_completion_tokens": s.max_new_tokens,
                 "separate_reasoning": True,
@@ -131,22 +147,14 @@ class Regenerator:
         t0 = time.monotonic()
         i = 0
         try:
-            if n_images := sum(len(m.images or ()) for m in messages):
-                # The request would name images by their store path (images/<sha256>.<ext>), which no
-                # server can read: the row fails, kept in the run, rather than have the target answer
-                # a question about a picture it never saw.
-                raise RowTerminalError(
-                    f"the prompt has {n_images} image part(s); this regen does not send images to the "
-                    "target yet (issue 24, requests); retry with `regen retry-failed RUN "
-                    "--include-terminal` on a regen that does"
-                )
+            urls = await self._load_images(messages)
             while i <= len(messages):
                 if i not in targets:
                     if i < len(messages):
                         history.append(messages[i])
                     i += 1
                     continue
-                c, msg, ids = await self._ask(history, conv.tools)
+                c, msg, ids = await self._ask(history, conv.tools, urls)
                 history.append(msg)
                 turns.append(self._turn(len(history) - 1, c))
                 prompts.append(ids if c.output_ids is not None else None)
@@ -168,6 +176,18 @@ class Regenerator:
         self._finish(row, history, turns, outputs, last_ids, time.monotonic() - t0)
         _attach_prompts(row, turns, prompts)
         return row
+
+    async def _load_images(self, messages: list[Message]) -> dict[str, str]:
+        if not images_of(messages):
+            return {}
+        if self.images is None:
+            # The in-process path (local_run's engine) takes token ids only: the target would answer
+            # a picture it never saw, so the row fails instead.
+            raise RowTerminalError(
+                f"the prompt has {len(images_of(messages))} image part(s) and this regenerator sends no "
+                "images (in-process engine); regenerate it with `regen worker`"
+            )
+        return await self.images.load(messages)
 
     # --- row ---------------------------------------------------------------------------------
     def _base(self, record: PromptRecord) -> OutputRow:

@@ -21,7 +21,9 @@ from regen_service.errors import ConfigError, EndpointTerminalError, NoUsableEnd
 from regen_service.loops import new_event_loop
 from regen_service.remote_code import load_tokenizer
 from regen_service.settings import Settings
+from regen_service.state.storage import RunLayout
 from regen_service.work.client.pool import EndpointPool
+from regen_service.work.images import RunImages
 from regen_service.work.intake import Intake
 from regen_service.work.regenerate import Regenerator
 from regen_service.work.worker_config import WorkerConfig
@@ -139,9 +141,11 @@ class WorkerRuntime:
                 )
             return self._tokenizers[key]
 
-    def regenerator_for(self, mix: MixSpec) -> tuple[Regenerator, InflightBudget]:
+    def regenerator_for(self, mix: MixSpec, layout: RunLayout) -> tuple[Regenerator, InflightBudget]:
+        """A Regenerator for one run's shard: its mix, and its image store (`layout`)."""
         pool, sem = self.pool_for(mix.target.model)
-        return Regenerator(pool, mix, tokenizer=self.tokenizer_for(mix)), sem
+        images = RunImages(layout, self.config.bounds.max_request_image_bytes)
+        return Regenerator(pool, mix, tokenizer=self.tokenizer_for(mix), images=images), sem
 
     def inflight_target(self) -> int:
         """Requests this worker keeps outstanding over all its pools (before any pool: one shard's worth)."""

@@ -106,7 +106,7 @@ def process_shard(
             count_row(row)
         todo = [r for r in records if r.prompt_id not in prog.rows]
         # Endpoints first: a worker that cannot serve hands the shard back without marking it running.
-        regenerator, budget = runtime.regenerator_for(mix)
+        regenerator, budget = runtime.regenerator_for(mix, layout)
         ledger.set_shard_state(run_id, shard_id, "running")
         record_progress(ledger, run_id, shard_id, prog)
         num_skipped = len(prog.rows)
@@ -129,7 +129,9 @@ def process_shard(
             raise RuntimeError(f"shard {shard_id}: {len(records) - len(ordered)} prompts have no row")
         if not ledger.extend_lease(run_id, shard_id, owner):
             raise LeaseLostError(f"lease on {run_id}/{shard_id} lost before finalizing")
-        storage.write_table_atomic(layout.output_shard(shard_id), output_table(ordered))
+        # A run whose mix keeps images writes the images column on every shard (one schema per run).
+        final = output_table(ordered, images=mix.images is not None)
+        storage.write_table_atomic(layout.output_shard(shard_id), final)
         shard_log.remove()
         ev = announce_done(ledger, layout, shard_id, prog)
         SHARDS_FINISHED.inc()

@@ -40,6 +40,15 @@ class WorkerBounds(_Strict):
     endpoint_retry_max_s: float = Field(
         default=30.0, gt=0, description="longest wait between checks of endpoints that failed their start"
     )
+    # Image bytes ride inline in each request (base64 adds a third): a bound keeps a prompt with many
+    # large images from building a request the server refuses or a worker cannot hold many of. Above
+    # the mix's default max_image_bytes (20 MB) three times over, so a few full-size images pass.
+    max_request_image_bytes: int = Field(
+        default=64_000_000,
+        ge=1,
+        description="most image bytes one request may carry (summed over its image parts, before base64); "
+        "a prompt above it fails as a terminal row error with the reason",
+    )
 
 
 class ShardLogConfig(_Strict):

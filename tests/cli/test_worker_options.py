@@ -11,7 +11,7 @@ from regen_service.cli.config_options import config_values, field_at
 from regen_service.work.worker_config import WorkerConfig
 
 FLAGS = [
-    "--endpoint", "--max-shards-in-hand", "--concurrency", "--exit-after-no-endpoint-s",
+    "--endpoint", "--max-shards-in-hand", "--concurrency", "--exit-after-no-endpoint-s", "--max-request-image-bytes",
     "--max-inflight-per-endpoint", "--api-key-env", "--api-key-file", "--no-stream", "--engine",
     "--stall-timeout-s", "--request-timeout-s", "--max-reply-bytes", "--stream-slack-events", "--max-attempts",
     "--metrics-port", "--metrics-address", "--hostname", "--trust-remote-code",
@@ -29,7 +29,7 @@ def test_the_worker_keeps_every_flag():
 
 def test_each_setting_flag_takes_its_default_and_type_from_the_config():
     settings = [p for p in _worker().params if "__" in p.name or p.name in WorkerConfig.model_fields]
-    assert len(settings) == 15  # --concurrency is --max-shards-in-hand
+    assert len(settings) == 16  # --concurrency is --max-shards-in-hand
     for param in settings:
         field = field_at(WorkerConfig, param.name.replace("__", "."))
         default = None if field.default is PydanticUndefined else field.default

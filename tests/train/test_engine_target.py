@@ -11,7 +11,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from regen_service.train.engine_target import load_head_weights, read_state_file
+from regen_service.train.engine_files import load_head_weights, read_state_file
 
 
 def test_head_weights_of_a_sharded_multimodal_checkpoint(tmp_path):

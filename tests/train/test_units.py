@@ -148,6 +148,7 @@ def test_table_examples_skip_errors_use_token_ids_and_truncate(renderer):
         "template_rows": 1,
         "no_loss": 1,
         "generation_samples": 0,
+        "image_rows": 0,
     }
     assert examples[1].ids.tolist() == list(range(10, 22)) and examples[1].mask.sum() == 7
     batch = D.collate(examples)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from regen_service.errors import EndpointTerminalError
+from regen_service.errors import EndpointTerminalError, RowTerminalError
 from regen_service.work.client.http import Completion, RetryableError, event_error
 from regen_service.work.client.server_text import server_text
 
@@ -58,7 +58,17 @@ def engine_from(server_info: bytes | None, version: bytes | None, models: bytes 
 
 
 def vllm_completions_body(payload: dict, model: str) -> dict:
-    """SGLang's /generate payload ({"input_ids", "sampling_params"}) as a vLLM /v1/completions body."""
+    """SGLang's /generate payload ({"input_ids", "sampling_params"}) as a vLLM /v1/completions body.
+
+    A payload with `image_data` is refused (RowTerminalError): this body (a token-id prompt) has no
+    place for images, and vLLM documents image input on /v1/chat/completions, so translating would drop
+    the images and have the target answer a picture it never saw."""
+    if payload.get("image_data"):
+        raise RowTerminalError(
+            f"the prompt has {len(payload['image_data'])} image(s) and api generate on vLLM sends a token-id "
+            "prompt to /v1/completions, which carries no images here; use api: chat for image mixes on vLLM "
+            "endpoints (or SGLang endpoints, whose /generate takes image_data)"
+        )
     sp = payload.get("sampling_params") or {}
     body: dict = {
         "model": model,
