@@ -99,6 +99,9 @@ class ImagesSpec(BaseModel):
     )
     allow_remote: bool = Field(
         default=False,
-        description="http(s) image URLs: refused unless true, and even then refused as not supported yet "
-        "(regen fetches nothing from the network)",
+        description="http(s) image URLs: refused unless true (regen fetches nothing from the network "
+        "by default); when true, fetched by the producer within max_image_bytes and remote_timeout_s",
+    )
+    remote_timeout_s: float = Field(
+        default=10.0, gt=0, le=600, description="connect and read timeout of one remote image fetch"
     )

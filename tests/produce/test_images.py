@@ -7,10 +7,13 @@ and are read back with pyarrow and `datasets`.
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
 import random
+import threading
 from pathlib import Path
+from typing import ClassVar
 
 import datasets
 import pyarrow.parquet as pq
@@ -18,6 +21,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from regen_service.errors import ConfigError
 from regen_service.produce.prepare import prepare_run, run_id_for
 from regen_service.produce.producer import enqueue
 from regen_service.state.storage import RunLayout, Storage
@@ -242,7 +246,7 @@ def _svg() -> bytes:
         (data_url(b"%PDF-1.4 hello"), {}, "not a PNG, JPEG, GIF or WEBP image: a PDF"),
         (data_url(b"\x00\x01\x02\x03 random"), {}, "unknown content"),
         ("https://example.com/cat.png", {}, "points off the machine; refused"),
-        ("http://127.0.0.1:9/cat.png", {"allow_remote": True}, "fetching them is not supported yet"),
+        ("http://127.0.0.1:9/cat.png", {"allow_remote": True, "remote_timeout_s": 2}, "could not be fetched (ConnectError)"),
         ("ftp://host/cat.png", {}, "scheme"),
         ("missing.png", {}, "cannot be read (No such file"),
         ("data:image/png;base64,@@@", {}, "not valid base64"),
@@ -351,3 +355,88 @@ def test_gif_webp_and_jpeg_are_accepted(fmt, kind):
     loaded = ImageReader(ImagesSpec(), None).check(image_bytes(fmt, (5, 3)), "img")
     assert (loaded.ref.media_type, loaded.ref.width, loaded.ref.height) == (kind, 5, 3)
     assert loaded.ref.file_name.endswith({"GIF": ".gif", "WEBP": ".webp", "JPEG": ".jpg"}[fmt])
+
+
+class _ImageServer(http.server.BaseHTTPRequestHandler):
+    """Answers by path: a PNG, a 404, a body larger than it declares, a huge declared length, redirects, an SVG."""
+
+    requests: ClassVar[list[str]] = []
+
+    def do_GET(self):
+        _ImageServer.requests.append(self.path)
+        png = image_bytes(size=(12, 10))
+        if self.path == "/cat.png":
+            self._send(200, png)
+        elif self.path == "/svg.png":
+            self._send(200, _svg())
+        elif self.path == "/huge.png":  # declares 10 GB; must be refused before the body is read
+            self.send_response(200)
+            self.send_header("Content-Length", str(10**10))
+            self.end_headers()
+        elif self.path == "/endless.png":  # no length, more bytes than the bound
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for _ in range(64):
+                self.wfile.write(b"\x89PNG" + b"\0" * 4096)
+        elif self.path == "/hop.png":
+            self._redirect("/cat.png")
+        elif self.path == "/to-file.png":
+            self._redirect("file:///etc/passwd")
+        elif self.path == "/loop.png":
+            self._redirect("/loop.png")
+        else:
+            self._send(404, b"no such image")
+
+    def _send(self, status, body):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _redirect(self, where):
+        self.send_response(302)
+        self.send_header("Location", where)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def image_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_remote_images_are_fetched_only_when_the_mix_allows_them(tmp_path, image_server):
+    names = ["cat", "hop", "404", "huge", "endless", "to-file", "loop", "svg"]
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{image_server}/{n}.png"}},
+                                                   {"type": "text", "text": f"what is {n}?"}]}]}
+        for n in names
+    ]  # fmt: skip
+    src = {"name": "web", "path": jsonl(tmp_path / "w.jsonl", rows), "format": "messages"}
+    # refused by default: nothing fetched; a source with nothing left is loud, not an empty run
+    with pytest.raises(ConfigError, match="points off the machine; refused"):
+        prepare(write_mix(tmp_path, [src], {"max_image_bytes": 100_000}), tmp_path / "data-off")
+    assert _ImageServer.requests == []
+    # allowed: the good image and the one behind a redirect are kept (stored once: same bytes); the rest say why
+    mix = write_mix(
+        tmp_path, [src], {"allow_remote": True, "max_image_bytes": 100_000, "remote_timeout_s": 5}
+    )
+    manifest, layout = prepare(mix, tmp_path / "data-on")
+    assert manifest.sources["web"].kept == 2 and manifest.sources["web"].images_stored == 1
+    reasons = {
+        rows[q["row_index"]]["messages"][0]["content"][1]["text"]: q["reason"] for q in quarantine(layout)
+    }
+    assert "answered HTTP 404" in reasons["what is 404?"]
+    assert "image too large (10000000000 bytes > max_image_bytes 100000)" in reasons["what is huge?"]
+    assert "more than max_image_bytes 100000" in reasons["what is endless?"]
+    assert "only http(s) is followed" in reasons["what is to-file?"]
+    assert "redirects more than 3 times" in reasons["what is loop?"]
+    assert "an SVG" in reasons["what is svg?"]
+    assert "/cat.png" in _ImageServer.requests

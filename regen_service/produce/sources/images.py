@@ -3,7 +3,8 @@
 An image part names its bytes in one of four ways: a data URL (`data:image/png;base64,...`), a local
 path (relative to the source file's folder, or absolute), a Hugging Face `Image` value (a dict with
 `bytes` and/or `path`), or raw bytes. `ImageReader.load` reads them and checks them in order:
-off-machine URLs are refused (regen fetches nothing), then size (`max_image_bytes`), then the magic
+off-machine URLs are refused unless the mix allows them (then remote_images.py fetches them, bounded),
+then size (`max_image_bytes`), then the magic
 bytes (PNG, JPEG, GIF, WEBP only: SVG and anything else that could carry active content are refused),
 then the pixel count from the header (`max_image_pixels`, before any decoding: a decompression bomb is
 never inflated), then a full decode by Pillow. Any failure is a RowError with the reason, so the row
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from regen_service.produce.sources.base import RowError, type_name
+from regen_service.produce.sources.remote_images import fetch_image
 from schemas.media import ImageRef, ImagesSpec
 
 # Magic bytes of the allowed types; WEBP is RIFF....WEBP.
@@ -95,10 +97,7 @@ class ImageReader:
                     f"{where}: image URL {value[:200]!r} points off the machine; refused (regen fetches "
                     "nothing from the network); store the image with the dataset and name its path"
                 )
-            raise RowError(
-                f"{where}: image URL {value[:200]!r}: remote images are allowed by the mix but fetching "
-                "them is not supported yet; store the image with the dataset and name its path"
-            )
+            return fetch_image(value, self.spec.max_image_bytes, self.spec.remote_timeout_s, where)
         if "://" in value[:32]:
             raise RowError(
                 f"{where}: image URL scheme of {value[:200]!r} is not supported (data: URLs and paths only)"
