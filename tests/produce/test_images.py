@@ -440,3 +440,20 @@ def test_remote_images_are_fetched_only_when_the_mix_allows_them(tmp_path, image
     assert "redirects more than 3 times" in reasons["what is loop?"]
     assert "an SVG" in reasons["what is svg?"]
     assert "/cat.png" in _ImageServer.requests
+
+
+def test_a_200_mb_image_file_is_refused_at_the_default_bound(tmp_path):
+    big = tmp_path / "huge.png"
+    with open(big, "wb") as f:  # sparse: 200 MB on paper, nothing on disk; a read would still take 200 MB
+        f.write(image_bytes())
+        f.truncate(200_000_000)
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "huge.png"}},
+                                                   {"type": "text", "text": "what?"}]}]},
+        {"messages": [{"role": "user", "content": "a good row"}]},
+    ]  # fmt: skip
+    src = {"name": "big", "path": jsonl(tmp_path / "b.jsonl", rows), "format": "messages"}
+    manifest, layout = prepare(write_mix(tmp_path, [src], {}), tmp_path / "data")
+    (q,) = quarantine(layout)
+    assert "image too large (200000000 bytes > max_image_bytes 20000000)" in q["reason"]
+    assert manifest.sources["big"].kept == 1
