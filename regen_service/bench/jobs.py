@@ -54,13 +54,14 @@ def run_children(
     logs.mkdir(parents=True, exist_ok=True)
     pending, running, status = list(keys), {}, {}
     # a parent stopped by its caller's timeout takes its children with it, instead of leaving them on the GPU
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         _drive(pending, running, status, child_argv, num_jobs, results, logs, deadline_at)
     finally:
         for proc, log, _ in running.values():
             proc.kill()
             log.close()
+        signal.signal(signal.SIGTERM, before)
     if pending:
         results.emit({"stage": "stopped", "reason": "deadline", "not_started": pending})
     return status
