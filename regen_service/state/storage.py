@@ -142,7 +142,10 @@ class Storage:
 
     def read_table(self, path: str) -> pa.Table:
         with self.fs.open(path, "rb") as f:
-            table = pq.read_table(f)
+            # One thread: Arrow's CPU pool, once started, aborts a process that exits soon after
+            # ("terminate called without an active exception", SIGABRT; apache/arrow#34314, open). A
+            # `regen enqueue --strict` that read the quarantine and failed hit it 3 times in 8.
+            table = pq.read_table(f, use_threads=False)
         version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY, b"?").decode()
         if version not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(

@@ -59,6 +59,14 @@ def test_a_source_that_keeps_nothing_is_loud(settings, settings_env, tmp_path):
     assert status["sources"]["good"]["quarantined"] == 0
 
 
+def test_a_strict_enqueue_that_fails_exits_1_and_never_aborts(settings, settings_env, tmp_path):
+    # It read the quarantine with Arrow's thread pool and exited at once: SIGABRT at exit 3 times in 8
+    # (apache/arrow#34314) before Storage.read_table read on one thread.
+    mix = _mix_with_a_dead_source(tmp_path)
+    codes = [regen(settings_env, "enqueue", str(mix), "--strict").returncode for _ in range(8)]
+    assert codes == [1] * 8
+
+
 def test_operational_faults_are_one_line(settings, settings_env, tmp_path):
     down = {**settings_env, "REGEN_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     mix = write_prompt_mix(tmp_path, "no-redis", 10, 5)
