@@ -11,6 +11,7 @@ pydantic and pyarrow only.
 
 from __future__ import annotations
 
+import base64
 from typing import Literal
 
 import pyarrow as pa
@@ -25,6 +26,12 @@ EXTENSIONS: dict[str, str] = {
     "image/gif": "gif",
     "image/webp": "webp",
 }
+MEDIA_TYPES: dict[str, str] = {ext: media for media, ext in EXTENSIONS.items()}
+
+
+def data_url(media_type: str, data: bytes) -> str:
+    """`data:<type>;base64,<bytes>`: how an image travels inline in a request (the server reads no file of ours)."""
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 class ImageRef(BaseModel):

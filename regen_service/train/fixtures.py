@@ -61,14 +61,20 @@ def make_tiny_target(
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
     )
+    random_scaled(LlamaForCausalLM, config, seed, embed_scale, logit_scale).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
+def random_scaled(model_cls, config, seed: int, embed_scale: float, logit_scale: float):
+    """A random-weight model of `model_cls`, its embeddings and LM head scaled so that its next-token
+    entropy is a real LM's (see make_tiny_target), the same for a given seed."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(embed_scale)
         model.get_output_embeddings().weight.mul_(logit_scale)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return Path(path)
+    return model
 
 
 def _plain_pool(tok, pool: int) -> list[int]:

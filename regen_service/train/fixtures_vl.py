@@ -28,10 +28,9 @@ import io
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
-from regen_service.train.fixtures import DEMO_TOKENIZER
+from regen_service.train.fixtures import DEMO_TOKENIZER, random_scaled
 
 IMAGE_TOKEN = "<|media_pad|>"
 MEDIA_BEGIN = "<|media_begin|>"
@@ -107,12 +106,9 @@ def make_tiny_vl_target(
         vision_start_token_id=tok.convert_tokens_to_ids(MEDIA_BEGIN),
         vision_end_token_id=tok.convert_tokens_to_ids("<|media_end|>"),
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Kimi_K25ForConditionalGeneration(config)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(embed_scale)
-        model.get_output_embeddings().weight.mul_(logit_scale)
-    model.save_pretrained(path)
+    random_scaled(Kimi_K25ForConditionalGeneration, config, seed, embed_scale, logit_scale).save_pretrained(
+        path
+    )
     weights = path / "model.safetensors"
     save_file({_checkpoint_name(k): v.contiguous() for k, v in load_file(str(weights)).items()}, str(weights))
     # vLLM registers Moonshot's class name; transformers' own (`Kimi_K25...`) would send vLLM to its

@@ -15,12 +15,12 @@ a held-out sample keeps its context in the checkpoint (eval_set.py).
 
 from __future__ import annotations
 
-import base64
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from regen_service.errors import ConfigError
+from schemas.media import MEDIA_TYPES, data_url
 
 IMAGE_URL_PREFIX = "images/"  # schemas.media.content_parts names a stored image so
 
@@ -45,21 +45,22 @@ class VlContext:
         return cls(d["messages"], tuple(d["images"]), d.get("template_kwargs", "{}"))
 
 
+def _image_parts(messages: list[dict]) -> Iterator[dict]:
+    """The messages' image_url parts, in order (text-only contents have none)."""
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            yield from (part for part in content if part.get("type") == "image_url")
+
+
 def image_names(messages: list[dict]) -> list[str]:
     """The stored image file names the messages' image parts name, in order."""
     names = []
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if part.get("type") == "image_url":
-                url = part["image_url"]["url"]
-                if not url.startswith(IMAGE_URL_PREFIX):
-                    raise ConfigError(
-                        f"image part {url[:80]!r} names no stored image (images/<sha256>.<ext>)"
-                    )
-                names.append(url.removeprefix(IMAGE_URL_PREFIX))
+    for part in _image_parts(messages):
+        url = part["image_url"]["url"]
+        if not url.startswith(IMAGE_URL_PREFIX):
+            raise ConfigError(f"image part {url[:80]!r} names no stored image (images/<sha256>.<ext>)")
+        names.append(url.removeprefix(IMAGE_URL_PREFIX))
     return names
 
 
@@ -77,18 +78,8 @@ def request_messages(ctx: VlContext, read: Callable[[str], bytes]) -> list[dict]
     """The messages as the engine's chat API takes them: each stored image sent inline as a data URL
     (the engine reads no file of ours), once per image part."""
     messages = json.loads(ctx.messages)
-    paths = iter(ctx.images)
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if part.get("type") == "image_url":
-                path = next(paths)
-                ext = path.rsplit(".", 1)[-1]
-                media = {"jpg": "jpeg"}.get(ext, ext)
-                data = base64.b64encode(read(path)).decode()
-                part["image_url"] = {"url": f"data:image/{media};base64,{data}"}
+    for part, path in zip(_image_parts(messages), ctx.images, strict=True):
+        part["image_url"] = {"url": data_url(MEDIA_TYPES[path.rsplit(".", 1)[-1]], read(path))}
     return messages
 
 

@@ -22,13 +22,12 @@ ImageUnavailableError. Both are terminal row errors: retrying cannot make the by
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 
 from regen_service.errors import ImageUnavailableError, RequestImagesTooLargeError
 from regen_service.state.storage import RunLayout
 from schemas.conversation import Message
-from schemas.media import ImageRef, content_parts
+from schemas.media import ImageRef, content_parts, data_url
 
 
 def _ordered(m: Message) -> list[ImageRef]:
@@ -81,7 +80,7 @@ class RunImages:
         for ref in refs:
             if ref.sha256 not in urls:
                 data = self._read(ref)
-                urls[ref.sha256] = f"data:{ref.media_type};base64,{base64.b64encode(data).decode('ascii')}"
+                urls[ref.sha256] = data_url(ref.media_type, data)
         return urls
 
     async def load(self, messages: list[Message] | tuple[Message, ...]) -> dict[str, str]:
