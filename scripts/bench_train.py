@@ -5,7 +5,12 @@ Modes:
           sequence 2048, TTT 7, fed synthetic target states: tokens/s, model FLOPs utilization, peak memory.
           `--shapes kimi`: Kimi-K2.5's Llama-style draft as the trainer derives it (H 7168, 56 x 128 heads,
           I 18432, vocab 163840, draft vocab 32000); `--shapes kimi-mla`: its MLA draft (64 heads, q_lora
-          1536, kv_lora 512, qk 128+64, v 128: the target's MLA dims).
+          1536, kv_lora 512, qk 128+64, v 128: the target's MLA dims); `--shapes tiny`: a CPU smoke test.
+          `--step whole` (default) times the step as training runs it: the target's last hidden state
+          (pre-norm) through its final norm and full LM head (argmax, draft-vocab columns;
+          target_head.target_step), then the draft's step (softmax, TTT, backward, optimizer); FLOPs
+          and MFU count the draft plus the target head (bench/train_flops.py). `--step draft` is the
+          earlier figure: the draft's step alone, the target's draft-vocab logits handed in.
   online  a random-weight ~1B Llama target (H 2048, 16 layers, vocab 128256) run online each step, with
           its draft: step time, the target's share of it.
   numerics  the fast step (flex attention on CUDA, fused head loss, bf16 parameters) against the reference
@@ -13,8 +18,8 @@ Modes:
           loss and worst gradient differences, hard and soft targets, T not a multiple of the 128 block.
   ddp     a learnable synthetic task (tokens walk a fixed permutation) for N steps, one process or under
           torchrun; each rank prints its losses; rank 0 alone writes the checkpoint.
-Imports only torch/transformers and the drafter's torch-only modules (no pydantic, no Redis), so it
-runs on a bare GPU host: PYTHONPATH=. python3 scripts/bench_train.py --mode draft
+Imports only torch/transformers and regen's torch-only modules (no pydantic, no Redis), so it runs on
+a bare GPU host: PYTHONPATH=. python3 scripts/bench_train.py --mode draft --shapes kimi --seq 8192
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ from types import SimpleNamespace
 
 import torch
 
+from regen_service.bench.train_flops import PEAK_BF16, draft_shapes, model_flops, step_figures
 from regen_service.draft.checkpoint import save_checkpoint
 from regen_service.draft.config import DraftConfig
 from regen_service.train.dist import init_distributed, shutdown
+from regen_service.train.target_head import target_step
 from regen_service.train.trainer import DraftTrainer
-
-PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
 
 
 def train_cfg(ttt: int, lr: float = 1e-4, attention: str = "auto") -> SimpleNamespace:
@@ -47,10 +52,6 @@ def train_cfg(ttt: int, lr: float = 1e-4, attention: str = "auto") -> SimpleName
 def flat_cfg(cfg: SimpleNamespace) -> dict:
     """The flat keys a checkpoint's train_config holds (TrainConfig.flat_dict's form)."""
     return {k: v for section in vars(cfg).values() for k, v in vars(section).items()}
-
-
-def draft_shapes(h, heads, kv, inter, vocab, dvocab) -> DraftConfig:
-    return DraftConfig(h, inter, heads, kv, h // heads, 1e-5, 500000.0, 131072, vocab, dvocab, h)
 
 
 def kimi_shapes(mla: bool) -> DraftConfig:
@@ -69,33 +70,8 @@ SHAPES = {
     "llama-3.1-8b": lambda: draft_shapes(4096, 32, 8, 14336, 128256, 32000),
     "kimi": lambda: kimi_shapes(False),
     "kimi-mla": lambda: kimi_shapes(True),
+    "tiny": lambda: draft_shapes(256, 4, 2, 512, 4096, 1024),  # the CPU smoke test's
 }
-
-
-def _attn_proj_flops(c: DraftConfig) -> tuple[float, int, int]:
-    """(projection FLOPs per token, qk dim x heads, v dim x heads) of the draft's attention."""
-    h, nh = c.hidden_size, c.num_attention_heads
-    if c.draft_arch == "mla":
-        qk, v, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.qk_rope_head_dim
-        proj = 2 * (2 * h * c.q_lora_rank + c.q_lora_rank * nh * qk + 2 * h * (c.kv_lora_rank + rope))
-        proj += 2 * (c.kv_lora_rank * nh * (c.qk_nope_head_dim + v) + nh * v * h)
-        return proj, nh * qk, nh * v
-    hd, nkv = c.head_dim, c.num_key_value_heads
-    return 2 * 2 * h * (nh + 2 * nkv) * hd + 2 * nh * hd * h, nh * hd, nh * hd
-
-
-def model_flops(c: DraftConfig, t: int, ttt: int) -> float:
-    """Training FLOPs per sequence (fwd + bwd = 3x fwd); attention scores counted causal (T^2/2)."""
-    h, i = c.hidden_size, c.intermediate_size
-    proj_tok, qk, v = _attn_proj_flops(c)
-    fwd = 2 * t * 3 * c.target_hidden_size * h  # fc
-    for step in range(ttt):
-        proj = t * proj_tok
-        attn = 2 * (qk + v) * (t * t / 2 + t * step)  # QK^T and PV over prefix + own earlier steps
-        mlp = 3 * 2 * t * h * i
-        head = 2 * t * h * c.draft_vocab_size
-        fwd += proj + attn + mlp + head
-    return 3 * fwd
 
 
 def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto"):
@@ -108,42 +84,63 @@ def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="
     return tr
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # kernels run asynchronously: time them to their end
+        torch.cuda.synchronize()
+
+
 def timed(fn, n: int) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / n
 
 
+def draft_step(tr: DraftTrainer, c: DraftConfig, b: int, t: int, whole: bool, soft: bool):
+    """The timed step on synthetic inputs. whole: as training runs it, the target's last hidden state
+    (pre-norm) through its final norm and full LM head (argmax, draft columns; target_step) and then the
+    draft's step, which takes the softmax; else the draft's step alone on given draft-vocab logits."""
+    dev, bf, ht, n = tr.ctx.device, torch.bfloat16, c.target_hidden_size, c.draft_vocab_size
+    aux = torch.randn(b, t, 3 * ht, device=dev, dtype=bf)
+    ids = torch.randint(0, n, (b, t), device=dev)
+    mask = torch.ones_like(ids)
+    if not whole:
+        dl = torch.randn(b, t, n, device=dev, dtype=bf) if soft else None
+        return lambda: tr.train_batch(aux, ids, ids, mask, draft_logits=dl)
+    last = torch.randn(b, t, ht, device=dev, dtype=bf)
+    norm_w = (torch.rand(ht, device=dev) + 0.5).to(bf)
+    head = torch.randn(c.vocab_size, ht, device=dev, dtype=bf).mul_(0.02)
+    head[n:] = 0  # as bench_peers.py's SpecForge TargetHead: the argmax lies in the draft vocabulary
+    draft_ids = torch.arange(n, device=dev) if soft else None  # make_trainer: the first N target ids
+
+    def step():
+        pred, dl = target_step(last, norm_w, c.rms_norm_eps, head, draft_ids)
+        return tr.train_batch(aux, ids, pred, mask, draft_logits=dl)
+
+    return step
+
+
 def bench_draft(a) -> dict:
-    ctx = init_distributed("cuda")
+    ctx = init_distributed(None)  # CUDA where there is one; the CPU runs the tiny shapes' smoke test
     c = SHAPES[a.shapes]()
     tr = make_trainer(c, a.ttt, ctx, attention=a.attention)
-    b, t = a.batch, a.seq
-    aux = torch.randn(b, t, 3 * c.target_hidden_size, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, 32000, (b, t), device="cuda")
-    mask = torch.ones_like(ids)
-    # soft targets (the default objective): the target's logits over the draft vocabulary
-    dl = (
-        torch.randn(b, t, c.draft_vocab_size, device="cuda", dtype=torch.bfloat16)
-        if a.target == "soft"
-        else None
-    )
-    step = lambda: tr.train_batch(aux, ids, ids, mask, draft_logits=dl)  # noqa: E731
+    b, t, cuda = a.batch, a.seq, ctx.device.type == "cuda"
+    base = {"mode": "draft", "step": a.step, "shapes": a.shapes, "target": a.target, "attention": a.attention,
+            "batch": b, "seq": t, "ttt": a.ttt}  # fmt: skip
     try:
+        step = draft_step(tr, c, b, t, a.step == "whole", a.target == "soft")
         timed(step, 3)
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         dt = timed(step, a.steps)
     except torch.OutOfMemoryError as e:
-        return {"mode": "draft", "shapes": a.shapes, "batch": b, "seq": t, "oom": str(e)[:160]}
-    fl = model_flops(c, t, a.ttt) * b
-    return {
-        "mode": "draft", "shapes": a.shapes, "target": a.target, "attention": a.attention, "batch": b, "seq": t, "ttt": a.ttt, "step_s": round(dt, 4),
-        "tokens_per_s": round(b * t / dt), "model_tflop_per_step": round(fl / 1e12, 2),
-        "mfu_vs_989": round(fl / dt / PEAK_BF16, 4), "mfu_vs_790_measured": round(fl / dt / 790e12, 4),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        return base | {"oom": str(e)[:160]}
+    return base | {
+        "step_s": round(dt, 4), "tokens_per_s": round(b * t / dt),
+        **step_figures(c, t, a.ttt, b, dt, whole=a.step == "whole"),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "draft_params_m": round(sum(p.numel() for p in tr.draft.parameters() if p.requires_grad) / 1e6, 1),
     }  # fmt: skip
 
@@ -277,6 +274,7 @@ def main() -> None:
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
+    p.add_argument("--step", choices=("whole", "draft"), default="whole")  # --mode draft: what one step holds
     a = p.parse_args()
     modes = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp, "numerics": bench_numerics}
     res = modes[a.mode](a)

@@ -29,7 +29,8 @@ import torch
 from regen_service.errors import ConfigError
 from regen_service.train.data import collate
 from regen_service.train.engine_files import EngineStateError, load_head_weights, read_state_file
-from regen_service.train.target import TargetBackend, checked_aux_layer_ids, head_outputs
+from regen_service.train.target import TargetBackend, checked_aux_layer_ids
+from regen_service.train.target_head import target_step
 from regen_service.train.vl_samples import VlContext, align, request_messages
 
 
@@ -118,7 +119,7 @@ class VllmTarget(TargetBackend):
                 "`regen launch-vllm --target ... --hidden-states DIR`, which sets eagle_aux_hidden_state_layer_ids "
                 f"to {[*self.aux_layer_ids, self.num_layers]}"
             )
-        if int(self._logits(states[-1:, 3]).argmax(-1)) != generated:
+        if int(self._head(states[-1:, 3], None)[0]) != generated:
             raise ConfigError(
                 f"--target-endpoint {self.endpoint}: the last captured layer does not predict what the engine "
                 f"generates: it serves another model than {self.path}, or captures other layers than "
@@ -203,12 +204,13 @@ class VllmTarget(TargetBackend):
         )
         return batch, aux, pred, draft
 
-    def _normed(self, last: torch.Tensor) -> torch.Tensor:
-        x = last.to(self.device, torch.float32)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps) * self._norm_w
-
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        return self._normed(last).to(self._lm_head.dtype) @ self._lm_head.T
+    def _head(self, last: torch.Tensor, draft_token_ids: torch.Tensor | None):
+        """One sequence's last captured layer [n, H] -> (argmax [n], draft-vocab logits [n, N] or None)."""
+        # normed in fp32 with the fp32 norm weight whatever the file holds, then cast to the head's dtype
+        pred, draft = target_step(
+            last.to(self.device, torch.float32)[None], self._norm_w, self._eps, self._lm_head, draft_token_ids
+        )
+        return pred[0], None if draft is None else draft[0]
 
     @torch.no_grad()
     def states(
@@ -217,8 +219,9 @@ class VllmTarget(TargetBackend):
         attention_mask: torch.Tensor | None = None,
         draft_token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """As HFTarget.states: the last captured layer through the final norm and only the draft rows of
-        lm_head for the draft-vocab logits (the full head only for the argmax, a chunk at a time)."""
+        """As HFTarget.states: the last captured layer through the final norm and lm_head (target_head.
+        target_step: one pass over the full head, a chunk of positions at a time, for the argmax and the
+        draft-vocab columns)."""
         b, t = input_ids.shape
         lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [t] * b
         seqs = [input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
@@ -236,10 +239,9 @@ class VllmTarget(TargetBackend):
         for i, st in enumerate(states):
             n = st.shape[0]
             aux[i, :n] = st[:, :3].reshape(n, -1).to(self.device, aux.dtype)
-            p, d = head_outputs(self._normed(st[:, 3])[None], self._lm_head, draft_token_ids)
-            pred[i, :n] = p[0]
+            pred[i, :n], d = self._head(st[:, 3], draft_token_ids)
             if draft is not None:
-                draft[i, :n] = d[0]
+                draft[i, :n] = d
         return aux, pred, draft
 
     def close(self) -> None:

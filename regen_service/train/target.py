@@ -4,9 +4,9 @@ It gives what the draft trains on: the three auxiliary hidden states (INPUTS of 
 `aux_layer_ids`, SGLang's convention; default [2, L//2, L-3], i.e. hidden_states[2], [L//2], [L-3]
 of output_hidden_states, where hidden_states[0] is the embedding output) concatenated to 3H, and
 the target's greedy next token per position; `states(..., draft_token_ids=...)` also gives the
-target's logits over the draft vocabulary (soft targets), from the final hidden state through only
-those rows of lm_head, position chunk by position chunk (`head_outputs`, shared with the vLLM
-backend), so no [B, T, V] fp32 logits of a 163840-token vocabulary exist. Multimodal targets keep the text model's config under
+target's logits over the draft vocabulary (soft targets): the final hidden state goes through lm_head
+once, position chunk by position chunk, for both (target_head.head_outputs, shared with the vLLM
+backend), so no [B, T, V] logits of a 163840-token vocabulary exist. Multimodal targets keep the text model's config under
 `text_config`; sizes are read from there. Never downloads (local_files_only). Serving the target
 through SGLang for training is left to others; this backend is the HF one.
 """
@@ -18,6 +18,7 @@ import torch
 from regen_service.draft.aux_layers import checked_aux_layer_ids
 from regen_service.errors import ConfigError
 from regen_service.train.data import collate
+from regen_service.train.target_head import head_outputs
 
 
 def text_config(config):
@@ -32,27 +33,6 @@ VL_NEEDS_ENGINE = (
     "--target-states-dir DIR (a vLLM started by `regen launch-vllm --hidden-states DIR`), which puts "
     "the images in the prompt"
 )
-
-HEAD_CHUNK_ELEMS = 1 << 26  # logits elements per position chunk (the full-vocab argmax)
-
-
-@torch.no_grad()
-def head_outputs(
-    hidden: torch.Tensor, head: torch.Tensor, draft_token_ids: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden [B, T, H] (after the final norm), head [V, H] (lm_head) -> (argmax [B, T] over the full
-    vocabulary, logits over the draft vocabulary [B, T, N] fp32 or None). Full-vocab logits are made
-    a chunk of positions at a time in the head's dtype, only for the argmax."""
-    b, t, h = hidden.shape
-    x = hidden.reshape(b * t, h).to(head.dtype)
-    pred = torch.empty(b * t, dtype=torch.int64, device=x.device)
-    chunk = max(1, HEAD_CHUNK_ELEMS // head.shape[0])
-    for s in range(0, b * t, chunk):
-        pred[s : s + chunk] = (x[s : s + chunk] @ head.T).argmax(-1)
-    draft = None
-    if draft_token_ids is not None:
-        draft = (x @ head[draft_token_ids.to(head.device)].T).float().reshape(b, t, -1)
-    return pred.reshape(b, t), draft
 
 
 class TargetBackend:

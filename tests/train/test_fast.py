@@ -189,7 +189,7 @@ def test_yarn_tables_follow_the_engines():
 
 
 def test_head_outputs_chunked_equal_full_logits(monkeypatch):
-    import regen_service.train.target as T
+    import regen_service.train.target_head as T
 
     monkeypatch.setattr(T, "HEAD_CHUNK_ELEMS", 3 * N_VOCAB)
     g = torch.Generator().manual_seed(3)
