@@ -29,7 +29,9 @@ import torch
 
 from regen_service.draft.checkpoint import save_checkpoint
 from regen_service.draft.config import DraftConfig
+from regen_service.errors import LengthDoesNotFitError
 from regen_service.train.dist import init_distributed, shutdown
+from regen_service.train.memory import fit_check
 from regen_service.train.trainer import DraftTrainer
 
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet; ~790e12 measured on 8192^3 products here
@@ -122,6 +124,12 @@ def bench_draft(a) -> dict:
     c = SHAPES[a.shapes]()
     tr = make_trainer(c, a.ttt, ctx, attention=a.attention)
     b, t = a.batch, a.seq
+    try:  # before timing: a --seq/--batch that cannot fit is one line with the largest seq that does
+        fit_check(tr, t, b, soft=a.target == "soft", logits_dtype=torch.bfloat16, fields=("--seq", "--batch"))
+    except LengthDoesNotFitError as e:
+        rec = {"mode": "draft", "shapes": a.shapes, "batch": b, "seq": t, "error": str(e)}
+        print(json.dumps({**rec, "largest_fitting_seq": e.largest_length}), flush=True)
+        raise SystemExit(2) from None
     aux = torch.randn(b, t, 3 * c.target_hidden_size, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 32000, (b, t), device="cuda")
     mask = torch.ones_like(ids)
