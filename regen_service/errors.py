@@ -15,6 +15,15 @@ class ConfigError(RegenError):
     """Bad configuration or input given by the operator; the message says which field and how to fix it."""
 
 
+class LengthDoesNotFitError(ConfigError):
+    """A training step at the configured sequence length and batch size does not fit the GPU's memory;
+    `largest_length` is the largest length (a multiple of 128) that does, 0 when none does."""
+
+    def __init__(self, message: str, *, largest_length: int):
+        super().__init__(message)
+        self.largest_length = largest_length
+
+
 class LedgerUnreachableError(RegenError):
     """Redis (ledger and broker) cannot be reached; the message names the URL and how to start one."""
 

@@ -35,7 +35,9 @@ import torch
 from regen_service.bench.train_flops import PEAK_BF16, draft_shapes, model_flops, step_figures
 from regen_service.draft.checkpoint import save_checkpoint
 from regen_service.draft.config import DraftConfig
+from regen_service.errors import LengthDoesNotFitError
 from regen_service.train.dist import init_distributed, shutdown
+from regen_service.train.memory import fit_check
 from regen_service.train.target_head import target_step
 from regen_service.train.trainer import DraftTrainer
 
@@ -129,8 +131,13 @@ def bench_draft(a) -> dict:
     b, t, cuda = a.batch, a.seq, ctx.device.type == "cuda"
     base = {"mode": "draft", "step": a.step, "shapes": a.shapes, "target": a.target, "attention": a.attention,
             "batch": b, "seq": t, "ttt": a.ttt}  # fmt: skip
+    step = draft_step(tr, c, b, t, a.step == "whole", a.target == "soft")
+    try:  # before timing (the step's inputs and head already held): a --seq/--batch that cannot fit is one line
+        fit_check(tr, t, b, soft=a.target == "soft", logits_dtype=torch.bfloat16, fields=("--seq", "--batch"))
+    except LengthDoesNotFitError as e:
+        print(json.dumps(base | {"error": str(e), "largest_fitting_seq": e.largest_length}), flush=True)
+        raise SystemExit(2) from None
     try:
-        step = draft_step(tr, c, b, t, a.step == "whole", a.target == "soft")
         timed(step, 3)
         if cuda:
             torch.cuda.reset_peak_memory_stats()

@@ -34,6 +34,9 @@ class DataConfig(_Section):
     # gives the peak memory per length at Kimi shapes
     max_length: int = Field(default=8192, ge=8)
     batch_size: int = Field(default=1, ge=1)  # sequences per rank per step
+    # on a GPU, before the first step: a max_length x batch_size whose step would not fit in memory is
+    # refused with the largest length that fits (memory.py), instead of running out of memory mid-run
+    fit_check: bool = True
     epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
     seed: int = 0
     # training samples of multi-turn rows: one per generation (the exact prompt the target saw plus

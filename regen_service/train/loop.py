@@ -38,6 +38,7 @@ from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
 from regen_service.train.eval_set import split_table
+from regen_service.train.memory import fit_check
 from regen_service.train.monitor import Monitor
 from regen_service.train.preflight import check_train_config
 from regen_service.train.target import VL_NEEDS_ENGINE, HFTarget
@@ -162,7 +163,14 @@ class _Run:
             cfg, draft_config_for(self.target.text_config, cfg.model), self.target.embed_weight, ctx, total
         )
         if ckpt:
-            self.trainer.load_state(ckpt)
+            self.trainer.load_state(ckpt)  # its AdamW state is on the device now: the fit check counts it
+        # before the first batch: a step that cannot fit is refused here, not run out of memory mid-run
+        if cfg.data.fit_check:
+            fit = fit_check(
+                self.trainer, cfg.data.max_length, cfg.data.batch_size, soft=cfg.optimisation.target == "soft"
+            )
+            if fit is not None and ctx.is_main:
+                log.info("%s", fit.summary())
         self._last_saved_step = self.trainer.step if ckpt else -1
         self.mon = Monitor(self, ckpt, num_shards)  # held-out eval, best checkpoint, trackers, progress
         self._saved_bad = len(self.bad_shards)
