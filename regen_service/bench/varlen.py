@@ -9,7 +9,7 @@ loss mask 0 on pads) and reports:
 - tokens/s of real tokens (pads excluded) over the whole wall time from the first step's start to the
   last step's end, every compile included, and padded tokens/s beside it;
 - the steady-state rate: real tokens/s over the steps during which nothing was compiled;
-- compilations and compile seconds (compile_stats.py), the distinct padded lengths met, the flex
+- compilations and compile seconds (lengths.compile_counts), the distinct padded lengths met, the flex
   block masks cached, peak CUDA memory;
 - time to first step and to the trainer being built, from the process start (the kernel's start time
   of this process, /proc/self/stat: interpreter start and `import torch` included).
@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 from regen_service.train import flexattn
-from regen_service.train.compile_stats import compile_counts
-from regen_service.train.lengths import bucket_length
+from regen_service.train.lengths import bucket_length, compile_counts
 
 BUILTIN = {"median": 3000, "sigma": 0.9, "lo": 200, "hi": 16384}
 BUILTIN_NAME = "builtin: log-normal, median {median}, sigma {sigma}, in [{lo}, {hi}]".format(**BUILTIN)

@@ -1,4 +1,4 @@
-"""Length buckets: the padded length a training batch is given, so compiled kernels meet few shapes.
+"""The shapes the compiled draft meets: length buckets for training batches, and what compiling costs.
 
 Regenerated answers with thinking run from a few hundred to 16K tokens, and a batch is padded to its
 longest sequence. Every distinct padded length is a new shape for the compiled draft (torch.compile
@@ -17,16 +17,27 @@ Pad positions sit after the real tokens with loss mask and attention mask 0 (dat
 causal attention the real positions' outputs, the loss and the gradients do not change
 (tests/train/test_lengths.py holds that). `cap` (the trainer's max_length) keeps a bucket from
 growing a batch past the longest sequence the config allows, so peak memory stays that of max_length.
-Plain Python: no torch.
+
+What the shapes cost, read off dynamo's own counters without compiling or syncing anything
+(`compile_counts()`; `CompileCounts.since(earlier)` for one stretch, a benchmark or a run):
+- `graphs`: `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, one per FX graph dynamo hands
+  to the backend (a first compile, a recompile after a guard failed, each piece of a graph break);
+- `frames`: `counters["frames"]["ok"]`, Python frames dynamo converted;
+- `seconds`: `calculate_time_spent()["total_wall_time"]`, the "entire_frame_compile" plus
+  "entire_backward_compile" phases (a training graph's backward is compiled lazily, at its first
+  backward): process-wide totals `dynamo_timed` keeps (read in torch 2.13's source; earlier 2.x
+  releases have the same function and keys), cleared only by torch._dynamo.reset().
+Where dynamo was never imported nothing was compiled: zeros, without importing it (that costs a
+second). Plain Python: torch is not imported here.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import asdict, dataclass
 
-BucketMode = Literal["off", "block", "geometric"]
 BUCKET_MODES: tuple[str, ...] = ("off", "block", "geometric")
 BLOCK_TOKENS = 128  # flex attention's block size (flexattn.BLOCK)
 
@@ -68,3 +79,33 @@ def bucket_lengths(lo: int, hi: int, mode: str) -> list[int]:
         out.append(b)
         t = b + 1
     return out
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    graphs: int = 0
+    frames: int = 0
+    seconds: float = 0.0
+
+    def since(self, earlier: CompileCounts) -> CompileCounts:
+        return CompileCounts(
+            self.graphs - earlier.graphs, self.frames - earlier.frames, self.seconds - earlier.seconds
+        )
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["seconds"] = round(d["seconds"], 3)
+        return d
+
+
+def compile_counts() -> CompileCounts:
+    """This process's torch.compile totals so far (cheap: two dict reads and a sum)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return CompileCounts()
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    return CompileCounts(
+        graphs=int(counters["stats"]["unique_graphs"]),
+        frames=int(counters["frames"]["ok"]),
+        seconds=float(calculate_time_spent().get("total_wall_time", 0.0)),
+    )

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from regen_service.draft.config import DraftConfig
 from regen_service.train import flexattn
-from regen_service.train.compile_stats import compile_counts
 from regen_service.train.dist import DistContext, all_reduce_mean
+from regen_service.train.lengths import compile_counts
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.optim import MasterWeights
 from regen_service.train.rope import scaling_type
@@ -245,7 +245,7 @@ class DraftTrainer:
 
     def log_record(self, metrics: dict[str, torch.Tensor]) -> dict:
         """Metrics averaged over ranks (collective: every rank calls it), with throughput since last call
-        (real tokens) and this process's torch.compile totals so far (compile_stats.py: counters only)."""
+        (real tokens) and this process's torch.compile totals so far (lengths.compile_counts: counters only)."""
         keys = sorted(k for k in metrics if not k.startswith("tokens_"))
         vec = all_reduce_mean(torch.stack([metrics[k].float().to(self.ctx.device) for k in keys]), self.ctx)
         now = time.perf_counter()

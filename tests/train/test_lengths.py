@@ -16,14 +16,13 @@ import torch
 
 from regen_service.train import data as D
 from regen_service.train import layers
-from regen_service.train.compile_stats import CompileCounts, compile_counts
 from regen_service.train.config import TrainConfig
 from regen_service.train.dist import DistContext
 from regen_service.train.engine_target import VllmTarget
 from regen_service.train.eval_set import EvalSample
 from regen_service.train.evaluate import evaluate
 from regen_service.train.fixtures import make_tiny_target
-from regen_service.train.lengths import bucket_length, bucket_lengths, bucketer
+from regen_service.train.lengths import CompileCounts, bucket_length, bucket_lengths, bucketer, compile_counts
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.target import HFTarget
 from regen_service.train.trainer import DraftTrainer
