@@ -18,6 +18,12 @@ Modes:
           loss and worst gradient differences, hard and soft targets, T not a multiple of the 128 block.
   ddp     a learnable synthetic task (tokens walk a fixed permutation) for N steps, one process or under
           torchrun; each rank prints its losses; rank 0 alone writes the checkpoint.
+  varlen  training speed over many sequence lengths (regen_service/bench/varlen.py): `--steps` (200)
+          batches whose lengths follow a real run's (`--lengths-from DIR`, its output shards) or a built-in
+          log-normal of answers with thinking (median 3,000, clipped to [200, 16384]), padded to
+          `--length-bucket` (off | block | geometric): real and padded tokens/s with every recompile,
+          the steady rate, compilations and compile seconds, time to first step, peak memory, the
+          padded lengths met. Runs on the CPU at `--shapes tiny` (give it a short `--max-length`).
 Imports only torch/transformers and regen's torch-only modules (no pydantic, no Redis), so it runs on
 a bare GPU host: PYTHONPATH=. python3 scripts/bench_train.py --mode draft --shapes kimi --seq 8192
 """
@@ -77,7 +83,8 @@ SHAPES = {
 
 
 def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto"):
-    emb = torch.randn(c.vocab_size, c.hidden_size) * 0.02
+    # made on the device: at Kimi-K2.5 shapes it is 1.2B entries, seconds of CPU before the GPU starts
+    emb = torch.randn(c.vocab_size, c.hidden_size, device=ctx.device).mul_(0.02)
     tr = DraftTrainer(train_cfg(ttt, lr, attention), c, emb, ctx, steps)
     d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)  # draft ids = the first N target ids
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
@@ -270,20 +277,47 @@ def bench_ddp(a) -> dict:
     }  # fmt: skip
 
 
+def bench_varlen(a) -> dict:
+    from regen_service.bench import varlen
+
+    ctx = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    c = SHAPES[a.shapes]()
+    n = a.steps * a.batch
+    pool = varlen.shard_lengths(a.lengths_from) if a.lengths_from else varlen.builtin_lengths(n)
+    lengths = varlen.draw(pool, n, 0, a.max_length) if a.lengths_from else pool
+    tr = make_trainer(c, a.ttt, ctx, steps=a.steps, attention=a.attention)
+    built = varlen.process_age_s()
+    res = varlen.run_varlen(tr, lengths, a.batch, a.length_bucket, a.max_length, a.target == "soft", built)
+    source = a.lengths_from or varlen.BUILTIN_NAME
+    return {
+        "mode": "varlen",
+        "shapes": a.shapes,
+        "target": a.target,
+        "ttt": a.ttt,
+        "lengths_from": source,
+        **res,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("draft", "online", "ddp", "numerics"), default="draft")
+    p.add_argument("--mode", choices=("draft", "online", "ddp", "numerics", "varlen"), default="draft")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--ttt", type=int, default=7)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help="default 10; varlen 200")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--step", choices=("whole", "draft"), default="whole")  # --mode draft: what one step holds
+    p.add_argument("--lengths-from", default=None, help="varlen: a run's outputs folder (shard-*.parquet)")
+    p.add_argument("--length-bucket", choices=("off", "block", "geometric"), default="geometric")
+    p.add_argument("--max-length", type=int, default=16384, help="varlen: sequences cut here")
     a = p.parse_args()
+    a.steps = a.steps if a.steps is not None else (200 if a.mode == "varlen" else 10)
     modes = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp, "numerics": bench_numerics}
+    modes["varlen"] = bench_varlen
     res = modes[a.mode](a)
     if torch.cuda.is_available():
         res["gpu"] = torch.cuda.get_device_name()

@@ -37,6 +37,13 @@ class DataConfig(_Section):
     # on a GPU, before the first step: a max_length x batch_size whose step would not fit in memory is
     # refused with the largest length that fits (memory.py), instead of running out of memory mid-run
     fit_check: bool = True
+    # the length a batch is padded to (lengths.py), so compiled kernels and flex block masks meet a
+    # bounded set of shapes over answers of 200 to 16K tokens: "geometric" rounds the batch's longest
+    # sequence up to a multiple of max(128, 2**(floor(log2 T) - 2)) (blocks to 1024, then four buckets
+    # per octave: under 25% padding from 512 tokens on, 24 shapes up to 16K); "block" to a multiple of
+    # 128 (flex attention's block); "off": the longest sequence itself. Never past max_length; pads sit
+    # after the tokens, count in no loss and never reach the target
+    length_bucket: Literal["off", "block", "geometric"] = "geometric"
     epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
     seed: int = 0
     # training samples of multi-turn rows: one per generation (the exact prompt the target saw plus

@@ -239,8 +239,14 @@ def shuffled(examples: list[Example], seed: int, shard_id: int, epoch: int) -> l
     return [examples[i] for i in order]
 
 
-def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """The batch padded to its longest example, or to `pad_to` tokens when given (a length bucket,
+    lengths.py): pads sit after each example's tokens with loss_mask and attention_mask 0."""
     t = max(e.ids.numel() for e in examples)
+    if pad_to is not None:
+        if pad_to < t:
+            raise ValueError(f"pad_to {pad_to} is shorter than the batch's longest example ({t} tokens)")
+        t = pad_to
     ids = torch.full((len(examples), t), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(examples), t), dtype=torch.int64)
     attn = torch.zeros((len(examples), t), dtype=torch.int64)
@@ -248,6 +254,15 @@ def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]
         n = e.ids.numel()
         ids[i, :n], mask[i, :n], attn[i, :n] = e.ids, e.mask, 1
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def pad_time(x: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """x [B, T, ...] with zeros appended along T up to t (None stays None): target states of a batch
+    padded after they were computed, so the target never runs on pad tokens."""
+    if x is None or x.shape[1] >= t:
+        return x
+    pad = x.new_zeros((x.shape[0], t - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], 1)
 
 
 def rank_batches(examples: list[Example], batch_size: int, rank: int, world: int) -> tuple[list, int]:

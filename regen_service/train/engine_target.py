@@ -194,11 +194,22 @@ class VllmTarget(TargetBackend):
         ids, mask = align(engine_ids, ids, mask, int(self.image_token_id))
         return ids, mask, states[: len(ids)]
 
-    def example_states(self, examples: list, draft_token_ids: torch.Tensor | None = None):
+    def example_states(
+        self,
+        examples: list,
+        draft_token_ids: torch.Tensor | None = None,
+        pad_to: Callable[[int], int] | None = None,
+    ):
         """As TargetBackend.example_states, samples with images included: the batch holds the engine's
-        expanded sequences (image tokens as the target saw them, never in the loss mask)."""
+        expanded sequences (image tokens as the target saw them, never in the loss mask), padded after
+        the engine answered (an image's expansion is known only then); the engine sees no pad token and
+        the pad positions' states are zeros (_assemble)."""
         done = list(self._pool.map(self._example, examples))
-        batch = collate([SimpleNamespace(ids=torch.tensor(i), mask=torch.tensor(m)) for i, m, _ in done])
+        n = max(len(i) for i, _, _ in done)
+        batch = collate(
+            [SimpleNamespace(ids=torch.tensor(i), mask=torch.tensor(m)) for i, m, _ in done],
+            pad_to=pad_to(n) if pad_to else None,
+        )
         aux, pred, draft = self._assemble(
             [st for _, _, st in done], batch["input_ids"].shape, draft_token_ids
         )

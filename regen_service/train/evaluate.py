@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from regen_service.train.dist import DistContext
 from regen_service.train.eval_set import EvalSample
+from regen_service.train.lengths import bucketer
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.ttt import _shift, unroll
 
@@ -123,10 +124,12 @@ def evaluate(draft: Eagle3Draft, target, samples: list[EvalSample], cfg, ctx: Di
     mine = samples[ctx.rank :: ctx.world]
     was_training = draft.training
     draft.eval()
+    # padded to length buckets as training is (lengths.py): pads carry no answer token, so no count moves
+    pad_to = bucketer(cfg.data.length_bucket, cfg.evaluation.eval_max_length)
     for b in range(0, len(mine), cfg.data.batch_size):
         chunk = mine[b : b + cfg.data.batch_size]
         # samples with images are scored on the engine's expanded sequence, as they train (vl_samples.py)
-        batch, aux, tgt, logits = target.example_states(chunk, draft_ids)
+        batch, aux, tgt, logits = target.example_states(chunk, draft_ids, pad_to)
         dev = draft.fc.weight.device
         ids, mask, tgt = batch["input_ids"].to(dev), batch["loss_mask"].to(dev), tgt.to(dev)
         probs = torch.softmax(logits.to(dev).float(), -1)

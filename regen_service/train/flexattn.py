@@ -42,19 +42,19 @@ def ttt_mask_mod(t: int):
     return mask_mod
 
 
+@functools.cache
+def _compiled_block_mask():
+    # what create_block_mask(_compile=True) did, without its DeprecationWarning at every new mask (the
+    # flag is to be removed): one compiled create_block_mask, so a new length is a dynamo cache entry
+    return torch.compile(create_block_mask)
+
+
+# 24 length buckets up to 16K (lengths.py, "geometric") x 7 TTT steps fit; "off" or "block" may evict
 @functools.lru_cache(maxsize=256)
 def ttt_block_mask(t: int, segments: int, device: str):
     """The BlockMask for T queries over `segments` key segments of length T (step segments-1)."""
-    return create_block_mask(
-        ttt_mask_mod(t),
-        None,
-        None,
-        t,
-        t * segments,
-        device=device,
-        BLOCK_SIZE=BLOCK,
-        _compile=device != "cpu",
-    )
+    make = create_block_mask if device == "cpu" else _compiled_block_mask()
+    return make(ttt_mask_mod(t), None, None, t, t * segments, device=device, BLOCK_SIZE=BLOCK)
 
 
 @functools.cache

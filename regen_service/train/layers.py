@@ -28,7 +28,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_on(x, _rms_norm)(x, self.weight, self.eps)
+        # one rank for the compiled norm: it meets [B, T, H] (a TTT step), [steps, B, T, H] (the loss's
+        # stacked steps) and [N, H] (eval heads); each rank was its own compiled entry and together they
+        # hit dynamo's recompile limit (8), after which the norm ran uncompiled. Flattened, one entry
+        # serves them all (a view: these inputs are contiguous). Its row count is dynamic from the first
+        # call: every sequence length gives another, and a static first entry would be one more compile
+        # per grad mode (a norm over static H loses nothing to a dynamic row count).
+        flat = x.reshape(-1, x.shape[-1])
+        fn = fused_on(x, _rms_norm)
+        if fn is not _rms_norm:
+            torch._dynamo.maybe_mark_dynamic(flat, 0)
+        return fn(flat, self.weight, self.eps).view(x.shape)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,6 +38,7 @@ from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
 from regen_service.train.eval_set import split_table
+from regen_service.train.lengths import bucketer
 from regen_service.train.memory import fit_check
 from regen_service.train.monitor import Monitor
 from regen_service.train.preflight import check_train_config
@@ -356,14 +357,17 @@ class _Run:
             (ip["epoch"], ip["next_batch"]) if ip and (ip["run_id"], ip["shard_id"]) == ref.key else (0, 0)
         )
         self.in_progress = None
+        # each batch padded to its length bucket (lengths.py): a bounded set of compiled shapes
+        pad_to = bucketer(cfg.data.length_bucket, cfg.data.max_length)
         for epoch in range(epoch0, cfg.data.epochs):
             exs = D.shuffled(examples, cfg.data.seed, ref.shard_id, epoch)
             batches, n = D.rank_batches(exs, cfg.data.batch_size, ctx.rank, ctx.world)
             for b in range(batch0 if epoch == epoch0 else 0, n):
                 chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [exs[:1]])[0], 0.0)
                 # the batch on the sequences the target ran (a sample with images: the engine's expanded one)
-                batch, aux, tgt, dl = self.target.example_states(chunk, self._draft_ids())
-                metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl)
+                batch, aux, tgt, dl = self.target.example_states(chunk, self._draft_ids(), pad_to)
+                real = int(batch["attention_mask"].sum())
+                metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl, real)
                 if tr.step % cfg.tracking.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)
                 best = self.mon.stepped(len(exs), b)  # held-out eval when due (every rank)

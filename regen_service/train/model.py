@@ -54,8 +54,13 @@ class Eagle3Draft(nn.Module):
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        # the MLA attention rotates only its qk_rope dims, with DeepSeek's YaRN variant
-        self.rotary = RotaryTable(c.rotary_dim, c.rope_theta, c.rope_scaling, deepseek=c.draft_arch == "mla")
+        # the MLA attention rotates only its qk_rope dims, with DeepSeek's YaRN variant; its frequencies
+        # are made on the CPU (float64) even when the draft is built under a CUDA device context: the
+        # tables are computed there and moved (RotaryTable.get), the same numbers on every device
+        with torch.device("cpu"):
+            self.rotary = RotaryTable(
+                c.rotary_dim, c.rope_theta, c.rope_scaling, deepseek=c.draft_arch == "mla"
+            )
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         # target id -> draft id (or -1); derived from t2d, so not saved

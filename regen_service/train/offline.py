@@ -4,8 +4,9 @@
 trainer on a chosen set of examples for exactly N steps. This module reads output shards through the
 trainer's own pieces (eval_set.split_table for the held-out split, data.table_examples for token ids
 and loss masks, vocab.build_vocab, train.DraftTrainer for the step, evaluate.evaluate for the held-out
-figures) and loops: epochs over the examples shuffled with the seed, batches padded to a multiple of
-`pad_to` tokens (so compiled kernels meet a handful of shapes). Nothing in the training step changes.
+figures) and loops: epochs over the examples shuffled with the seed, each batch padded to its length
+bucket (`length_bucket`, lengths.py, as `regen train` pads: compiled kernels meet a bounded set of
+shapes). Nothing in the training step changes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from regen_service.train import data as D
 from regen_service.train.dist import DistContext
 from regen_service.train.eval_set import EvalSample, split_of, split_table
 from regen_service.train.evaluate import evaluate
+from regen_service.train.lengths import bucketer
 from regen_service.train.trainer import DraftTrainer, draft_config_for
 from regen_service.train.vocab import VocabCounter, build_vocab, coverage
 
@@ -56,15 +58,9 @@ def eval_samples(held: dict, max_samples: int, max_length: int) -> list[EvalSamp
 
 
 def pad_batch(examples: list[D.Example], pad_to: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    b = D.collate(examples, pad_id)
-    t = b["input_ids"].shape[1]
-    extra = -t % pad_to
-    if extra:
-        b = {
-            k: torch.nn.functional.pad(v, (0, extra), value=pad_id if k == "input_ids" else 0)
-            for k, v in b.items()
-        }
-    return b
+    """The batch padded to a multiple of `pad_to` tokens (SpecForge's trainer, peer_specforge.py)."""
+    t = max(e.ids.numel() for e in examples)
+    return D.collate(examples, pad_id, pad_to=-(-t // pad_to) * pad_to)
 
 
 def vocab_for(examples: list[D.Example], vocab_size: int, draft_vocab_size: int):
@@ -94,7 +90,7 @@ def batches(examples: list[D.Example], batch_size: int, steps: int, seed: int):
 
 def train_draft(
     target, examples: list[D.Example], vocab, cfg, steps: int, ctx: DistContext,
-    evalset: list[EvalSample] | None = None, pad_to: int = 128,
+    evalset: list[EvalSample] | None = None,
 ) -> tuple[DraftTrainer, dict]:  # fmt: skip
     """Train for exactly `steps` optimizer steps (cosine over `steps`); returns the trainer and a summary."""
     if len(examples) < cfg.data.batch_size:
@@ -102,12 +98,13 @@ def train_draft(
     tr = DraftTrainer(cfg, draft_config_for(target.text_config, cfg.model), target.embed_weight, ctx, steps)
     tr.set_vocab(*vocab)
     ids = draft_ids(tr.draft) if cfg.optimisation.target == "soft" else None
+    pad_to = bucketer(cfg.data.length_bucket, cfg.data.max_length)
     t0 = time.perf_counter()
     log = []
     for batch in batches(examples, cfg.data.batch_size, steps, cfg.data.seed):
-        b = pad_batch(batch, pad_to)
-        aux, tgt, dl = target.states(b["input_ids"], b["attention_mask"], ids)
-        m = tr.train_batch(aux, b["input_ids"], tgt, b["loss_mask"], 1.0, dl)
+        b, aux, tgt, dl = target.example_states(batch, ids, pad_to)
+        real = int(b["attention_mask"].sum())
+        m = tr.train_batch(aux, b["input_ids"], tgt, b["loss_mask"], 1.0, dl, real)
         if tr.step % cfg.tracking.log_every_steps == 0 or tr.step == steps:
             log.append(
                 {

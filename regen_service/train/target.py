@@ -13,11 +13,13 @@ through SGLang for training is left to others; this backend is the HF one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from regen_service.draft.aux_layers import checked_aux_layer_ids
 from regen_service.errors import ConfigError
-from regen_service.train.data import collate
+from regen_service.train.data import collate, pad_time
 from regen_service.train.target_head import head_outputs
 
 
@@ -42,16 +44,27 @@ class TargetBackend:
     def states(self, input_ids, attention_mask=None, draft_token_ids=None):
         raise NotImplementedError
 
-    def example_states(self, examples: list, draft_token_ids: torch.Tensor | None = None):
+    def example_states(
+        self,
+        examples: list,
+        draft_token_ids: torch.Tensor | None = None,
+        pad_to: Callable[[int], int] | None = None,
+    ):
         """Samples (data.Example, eval_set.EvalSample) -> (batch, aux, greedy next token, draft-vocab
         logits): the batch as data.collate makes it, on the sequences the states belong to. Text samples
         go as they are; a backend that can put images in the prompt (engine_target.VllmTarget) overrides
-        this for samples with images (vl_samples.py)."""
+        this for samples with images (vl_samples.py). `pad_to`: the batch's padded length as a function
+        of its longest sequence (lengths.bucketer); the target runs on the unpadded batch and its states
+        get zeros at the pad positions, which carry loss_mask 0 and attention_mask 0."""
         if any(getattr(e, "vl", None) is not None for e in examples):
             raise ConfigError(VL_NEEDS_ENGINE)
-        batch = collate(examples)
-        aux, pred, draft = self.states(batch["input_ids"], batch["attention_mask"], draft_token_ids)
-        return batch, aux, pred, draft
+        n = max(e.ids.numel() for e in examples)
+        batch = collate(examples, pad_to=pad_to(n) if pad_to else None)
+        t = batch["input_ids"].shape[1]
+        aux, pred, draft = self.states(
+            batch["input_ids"][:, :n], batch["attention_mask"][:, :n], draft_token_ids
+        )
+        return batch, pad_time(aux, t), pad_time(pred, t), pad_time(draft, t)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None

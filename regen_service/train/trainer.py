@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from regen_service.draft.config import DraftConfig
 from regen_service.train import flexattn
 from regen_service.train.dist import DistContext, all_reduce_mean
+from regen_service.train.lengths import compile_counts
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.optim import MasterWeights
 from regen_service.train.rope import scaling_type
@@ -148,10 +149,16 @@ class WarmupCosine:
 class DraftTrainer:
     def __init__(self, cfg, dc: DraftConfig, embed_weight: torch.Tensor, ctx: DistContext, total_steps: int):
         self.cfg, self.ctx, self.dc = cfg, ctx, dc
-        torch.manual_seed(cfg.data.seed)
+        torch.manual_seed(cfg.data.seed)  # seeds the CPU and every CUDA generator
         self.bf16 = ctx.device.type == "cuda" and cfg.optimisation.bf16
-        # fp32 init (the same weights whatever the dtype), then bf16 parameters where the GPU trains in bf16
-        self.draft = Eagle3Draft(dc).to(ctx.device, torch.bfloat16 if self.bf16 else torch.float32)
+        # Built where it trains: at Kimi-K2.5 shapes the draft holds ~2.4B entries (1.2B of them the
+        # embedding the target's replaces); initialised on the CPU that was ~30 s before the GPU did
+        # anything (2 cores: 8 ns per entry of the embedding's normal init, 16 ns of a Linear's). fp32
+        # init (the same weights whatever the dtype; on the CPU the same weights as before), then bf16
+        # parameters where the GPU trains in bf16.
+        with torch.device(ctx.device):
+            draft = Eagle3Draft(dc)
+        self.draft = draft.to(torch.bfloat16 if self.bf16 else torch.float32)
         with torch.no_grad():
             self.draft.embed_tokens.weight.copy_(
                 embed_weight.to(ctx.device, self.draft.embed_tokens.weight.dtype)
@@ -204,10 +211,18 @@ class DraftTrainer:
         return p.to(self.draft.lm_head.weight.dtype)
 
     def train_batch(
-        self, aux, input_ids, target_ids, loss_mask, weight: float = 1.0, draft_logits=None
+        self,
+        aux,
+        input_ids,
+        target_ids,
+        loss_mask,
+        weight: float = 1.0,
+        draft_logits=None,
+        tokens: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """One optimizer step. weight 0 keeps a rank with no data in lockstep without learning from it.
-        draft_logits [B,T,N]: the target's logits over the draft vocabulary (soft targets); None = hard."""
+        draft_logits [B,T,N]: the target's logits over the draft vocabulary (soft targets); None = hard.
+        tokens: the batch's real tokens (pads excluded) for the throughput figure; None = all of input_ids."""
         self.module.train()
         dev = self.ctx.device
         probs = None if draft_logits is None else self.target_probs(draft_logits)
@@ -224,12 +239,13 @@ class DraftTrainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        self._tokens += int(input_ids.numel()) if weight else 0
+        self._tokens += (int(input_ids.numel()) if tokens is None else tokens) if weight else 0
         metrics["loss"] = loss.detach()
         return metrics
 
     def log_record(self, metrics: dict[str, torch.Tensor]) -> dict:
-        """Metrics averaged over ranks (collective: every rank calls it), with throughput since last call."""
+        """Metrics averaged over ranks (collective: every rank calls it), with throughput since last call
+        (real tokens) and this process's torch.compile totals so far (lengths.compile_counts: counters only)."""
         keys = sorted(k for k in metrics if not k.startswith("tokens_"))
         vec = all_reduce_mean(torch.stack([metrics[k].float().to(self.ctx.device) for k in keys]), self.ctx)
         now = time.perf_counter()
@@ -239,6 +255,8 @@ class DraftTrainer:
             lr=self.sched.get_last_lr()[0],
             tok_s_rank=round(self._tokens / max(1e-9, now - self._t0), 1),
         )
+        cc = compile_counts()
+        rec.update(compiles=cc.graphs, compile_s=round(cc.seconds, 1))
         self._t0, self._tokens = now, 0
         return rec
 

@@ -69,7 +69,7 @@ def test_batched_spec_decoding_matches_greedy_and_accept_py(tmp_path):
     cfg = TrainConfig(draft_vocab_size=512, max_length=128, batch_size=12, lr=2e-3, ttt_length=4, warmup_ratio=0.05,
                       report_to=["none"], attention="eager")  # fmt: skip
     vocab = offline.vocab_for(exs, target.vocab_size, cfg.model.draft_vocab_size)[:2]
-    tr, summary = offline.train_draft(target, exs, vocab, cfg, 24, DistContext(), pad_to=16)
+    tr, summary = offline.train_draft(target, exs, vocab, cfg, 24, DistContext())
     assert summary["steps"] == 24 and summary["epochs"] == 6.0
     draft = tr.draft.eval()
     from transformers import AutoTokenizer
