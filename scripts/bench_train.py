@@ -287,7 +287,9 @@ def bench_varlen(a) -> dict:
     lengths = varlen.draw(pool, n, 0, a.max_length) if a.lengths_from else pool
     tr = make_trainer(c, a.ttt, ctx, steps=a.steps, attention=a.attention)
     built = varlen.process_age_s()
-    res = varlen.run_varlen(tr, lengths, a.batch, a.length_bucket, a.max_length, a.target == "soft", built)
+    res = varlen.run_varlen(
+        tr, lengths, a.batch, a.length_bucket, a.max_length, a.target == "soft", built, a.step == "whole"
+    )
     source = a.lengths_from or varlen.BUILTIN_NAME
     return {
         "mode": "varlen",
@@ -310,7 +312,9 @@ def main() -> None:
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
-    p.add_argument("--step", choices=("whole", "draft"), default="whole")  # --mode draft: what one step holds
+    p.add_argument(
+        "--step", choices=("whole", "draft"), default="whole"
+    )  # draft, varlen: what one step holds
     p.add_argument("--lengths-from", default=None, help="varlen: a run's outputs folder (shard-*.parquet)")
     p.add_argument("--length-bucket", choices=("off", "block", "geometric"), default="geometric")
     p.add_argument("--max-length", type=int, default=16384, help="varlen: sequences cut here")

@@ -2,8 +2,10 @@
 
 Every other training figure is at one fixed shape. A regenerated run's samples run from a few hundred
 to 16K tokens, and each new padded length can cost the compiled draft a recompile and flex attention
-a block mask per TTT step. `run_varlen` feeds a DraftTrainer synthetic target states (random aux
-hidden states and target logits, as scripts/bench_train.py's draft mode does) in batches whose lengths
+a block mask per TTT step. `run_varlen` feeds a DraftTrainer synthetic target states in the form
+scripts/bench_train.py's draft mode does (`whole`, the default: the target's last hidden state through its
+final norm and full LM head each step, target_head.target_step, as training runs it; else the
+draft-vocab logits handed in) in batches whose lengths
 are drawn from a length distribution, pads each batch as the trainer does (lengths.bucket_length,
 loss mask 0 on pads) and reports:
 - tokens/s of real tokens (pads excluded) over the whole wall time from the first step's start to the
@@ -35,6 +37,7 @@ import torch
 
 from regen_service.train import flexattn
 from regen_service.train.lengths import bucket_length, compile_counts
+from regen_service.train.target_head import target_step
 
 BUILTIN = {"median": 3000, "sigma": 0.9, "lo": 200, "hi": 16384}
 BUILTIN_NAME = "builtin: log-normal, median {median}, sigma {sigma}, in [{lo}, {hi}]".format(**BUILTIN)
@@ -114,7 +117,7 @@ def _quantiles(xs: list[int]) -> dict:
 
 
 def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int, soft: bool = True,
-               built_age_s: float | None = None) -> dict:  # fmt: skip
+               built_age_s: float | None = None, whole: bool = True) -> dict:  # fmt: skip
     """Train `len(lengths) // batch` steps of `tr` (a DraftTrainer with its vocabulary set) on synthetic
     states, batch i holding lengths[i*batch:(i+1)*batch], padded to bucket_length(longest, bucket,
     max_length). `built_age_s`: process_age_s() when the trainer was built. -> the JSON record."""
@@ -130,8 +133,17 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
     aux_buf = torch.randn(batch * cap * 3 * c.target_hidden_size, generator=g, device=dev, dtype=dtype)
     ids_buf = torch.randint(0, c.draft_vocab_size, (batch * cap,), generator=g, device=dev)
     dl_buf = (
-        torch.randn(batch * cap * c.draft_vocab_size, generator=g, device=dev, dtype=dtype) if soft else None
+        torch.randn(batch * cap * c.draft_vocab_size, generator=g, device=dev, dtype=dtype)
+        if soft and not whole
+        else None
     )
+    if whole:  # the target's side as bench_train's whole step: argmax inside the draft vocabulary
+        ht, n = c.target_hidden_size, c.draft_vocab_size
+        last_buf = torch.randn(batch * cap * ht, generator=g, device=dev, dtype=dtype)
+        head = torch.randn(c.vocab_size, ht, generator=g, device=dev, dtype=dtype).mul_(0.02)
+        head[n:] = 0
+        norm_w = torch.ones(ht, device=dev, dtype=dtype)
+        draft_ids = torch.arange(n, device=dev) if soft else None
     counts0 = compile_counts()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -144,11 +156,16 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
         t = bucket_length(max(lens), bucket, max_length)
         aux = aux_buf[: batch * t * 3 * c.target_hidden_size].view(batch, t, -1)
         ids = ids_buf[: batch * t].view(batch, t)
-        dl = dl_buf[: batch * t * c.draft_vocab_size].view(batch, t, -1) if soft else None
         mask = (torch.arange(t, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]).long()
         before = compile_counts()
         t0 = time.perf_counter()
-        tr.train_batch(aux, ids, ids, mask, draft_logits=dl, tokens=sum(lens))
+        if whole:
+            last = last_buf[: batch * t * ht].view(batch, t, ht)
+            tgt, dl = target_step(last, norm_w, c.rms_norm_eps, head, draft_ids)
+        else:
+            tgt = ids
+            dl = dl_buf[: batch * t * c.draft_vocab_size].view(batch, t, -1) if soft else None
+        tr.train_batch(aux, ids, tgt, mask, draft_logits=dl, tokens=sum(lens))
         _sync(dev)
         dt = time.perf_counter() - t0
         if i == 0:
@@ -161,7 +178,7 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
     quiet = [(r, dt) for _, r, dt, n in per_step if n == 0]
     quiet_s = sum(dt for _, dt in quiet)
     return {
-        "steps": steps, "batch": batch, "length_bucket": bucket, "max_length": max_length,
+        "step": "whole" if whole else "draft", "steps": steps, "batch": batch, "length_bucket": bucket, "max_length": max_length,
         "real_tokens": real, "padded_tokens": padded, "pad_share": round(1 - real / padded, 4),
         "wall_s": round(wall, 3), "tokens_per_s": round(real / wall), "padded_tokens_per_s": round(padded / wall),
         "steady_tokens_per_s": round(sum(r for r, _ in quiet) / quiet_s) if quiet_s else None,
