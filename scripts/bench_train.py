@@ -10,7 +10,10 @@ Modes:
           (pre-norm) through its final norm and full LM head (argmax, draft-vocab columns;
           target_head.target_step), then the draft's step (softmax, TTT, backward, optimizer); FLOPs
           and MFU count the draft plus the target head (bench/train_flops.py). `--step draft` is the
-          earlier figure: the draft's step alone, the target's draft-vocab logits handed in.
+          earlier figure: the draft's step alone, the target's draft-vocab logits handed in. `--seq` and
+          `--step` take comma-separated lists: one process measures every (length, step) pair in turn
+          (regen_service/bench/train_step.py), one JSON line each with its first step's wall time and
+          the process's age when that step ended (start and compiles paid once).
   online  a random-weight ~1B Llama target (H 2048, 16 layers, vocab 128256) run online each step, with
           its draft: step time, the target's share of it.
   numerics  the fast step (flex attention on CUDA, fused head loss, bf16 parameters) against the reference
@@ -38,23 +41,14 @@ from types import SimpleNamespace
 
 import torch
 
-from regen_service.bench.train_flops import PEAK_BF16, draft_shapes, model_flops, step_figures
+from regen_service.bench import train_step, varlen
+from regen_service.bench.train_flops import PEAK_BF16, draft_shapes, model_flops
+from regen_service.bench.train_step import make_trainer, timed, train_cfg
 from regen_service.draft.checkpoint import save_checkpoint
 from regen_service.draft.config import DraftConfig
-from regen_service.errors import LengthDoesNotFitError
 from regen_service.train.dist import init_distributed, shutdown
-from regen_service.train.memory import fit_check
-from regen_service.train.target_head import target_step
-from regen_service.train.trainer import DraftTrainer
 
-
-def train_cfg(ttt: int, lr: float = 1e-4, attention: str = "auto") -> SimpleNamespace:
-    """TrainConfig's sections DraftTrainer reads, without pydantic (a bare GPU host may lack it)."""
-    return SimpleNamespace(
-        data=SimpleNamespace(seed=0), model=SimpleNamespace(attention=attention, draft_arch="llama"),
-        optimisation=SimpleNamespace(ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                     warmup_ratio=0.015, min_lr_ratio=0.1, grad_clip=0.5, bf16=True),
-    )  # fmt: skip
+__all__ = ["draft_shapes", "init_distributed", "make_trainer", "model_flops", "timed"]  # regen_shapes.py's
 
 
 def flat_cfg(cfg: SimpleNamespace) -> dict:
@@ -82,81 +76,18 @@ SHAPES = {
 }
 
 
-def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto"):
-    # made on the device: at Kimi-K2.5 shapes it is 1.2B entries, seconds of CPU before the GPU starts
-    emb = torch.randn(c.vocab_size, c.hidden_size, device=ctx.device).mul_(0.02)
-    tr = DraftTrainer(train_cfg(ttt, lr, attention), c, emb, ctx, steps)
-    d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)  # draft ids = the first N target ids
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[: c.draft_vocab_size] = True
-    tr.set_vocab(d2t, t2d)
-    return tr
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():  # kernels run asynchronously: time them to their end
-        torch.cuda.synchronize()
-
-
-def timed(fn, n: int) -> float:
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    _sync()
-    return (time.perf_counter() - t0) / n
-
-
-def draft_step(tr: DraftTrainer, c: DraftConfig, b: int, t: int, whole: bool, soft: bool):
-    """The timed step on synthetic inputs. whole: as training runs it, the target's last hidden state
-    (pre-norm) through its final norm and full LM head (argmax, draft columns; target_step) and then the
-    draft's step, which takes the softmax; else the draft's step alone on given draft-vocab logits."""
-    dev, bf, ht, n = tr.ctx.device, torch.bfloat16, c.target_hidden_size, c.draft_vocab_size
-    aux = torch.randn(b, t, 3 * ht, device=dev, dtype=bf)
-    ids = torch.randint(0, n, (b, t), device=dev)
-    mask = torch.ones_like(ids)
-    if not whole:
-        dl = torch.randn(b, t, n, device=dev, dtype=bf) if soft else None
-        return lambda: tr.train_batch(aux, ids, ids, mask, draft_logits=dl)
-    last = torch.randn(b, t, ht, device=dev, dtype=bf)
-    norm_w = (torch.rand(ht, device=dev) + 0.5).to(bf)
-    head = torch.randn(c.vocab_size, ht, device=dev, dtype=bf).mul_(0.02)
-    head[n:] = 0  # as bench_peers.py's SpecForge TargetHead: the argmax lies in the draft vocabulary
-    draft_ids = torch.arange(n, device=dev) if soft else None  # make_trainer: the first N target ids
-
-    def step():
-        pred, dl = target_step(last, norm_w, c.rms_norm_eps, head, draft_ids)
-        return tr.train_batch(aux, ids, pred, mask, draft_logits=dl)
-
-    return step
-
-
-def bench_draft(a) -> dict:
+def bench_draft(a) -> list[dict]:
     ctx = init_distributed(None)  # CUDA where there is one; the CPU runs the tiny shapes' smoke test
     c = SHAPES[a.shapes]()
     tr = make_trainer(c, a.ttt, ctx, attention=a.attention)
-    b, t, cuda = a.batch, a.seq, ctx.device.type == "cuda"
-    base = {"mode": "draft", "step": a.step, "shapes": a.shapes, "target": a.target, "attention": a.attention,
-            "batch": b, "seq": t, "ttt": a.ttt}  # fmt: skip
-    step = draft_step(tr, c, b, t, a.step == "whole", a.target == "soft")
-    try:  # before timing (the step's inputs and head already held): a --seq/--batch that cannot fit is one line
-        fit_check(tr, t, b, soft=a.target == "soft", logits_dtype=torch.bfloat16, fields=("--seq", "--batch"))
-    except LengthDoesNotFitError as e:
-        print(json.dumps(base | {"error": str(e), "largest_fitting_seq": e.largest_length}), flush=True)
-        raise SystemExit(2) from None
-    try:
-        timed(step, 3)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        dt = timed(step, a.steps)
-    except torch.OutOfMemoryError as e:
-        return base | {"oom": str(e)[:160]}
-    return base | {
-        "step_s": round(dt, 4), "tokens_per_s": round(b * t / dt),
-        **step_figures(c, t, a.ttt, b, dt, whole=a.step == "whole"),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        "draft_params_m": round(sum(p.numel() for p in tr.draft.parameters() if p.requires_grad) / 1e6, 1),
-    }  # fmt: skip
+    base = {"mode": "draft", "shapes": a.shapes, "target": a.target, "attention": a.attention, "ttt": a.ttt}
+    pairs = [(int(t), kind) for t in str(a.seq).split(",") for kind in a.step.split(",")]
+    recs = train_step.measure(tr, c, a.batch, pairs, a.steps, a.target == "soft", base, varlen.process_age_s)
+    if any("largest_fitting_seq" in r for r in recs):  # printed by main; the exit status says it
+        for r in recs:
+            print(json.dumps(r), flush=True)
+        raise SystemExit(2)
+    return recs
 
 
 def bench_online(a) -> dict:
@@ -278,8 +209,6 @@ def bench_ddp(a) -> dict:
 
 
 def bench_varlen(a) -> dict:
-    from regen_service.bench import varlen
-
     ctx = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     c = SHAPES[a.shapes]()
     n = a.steps * a.batch
@@ -305,27 +234,29 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("draft", "online", "ddp", "numerics", "varlen"), default="draft")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--seq", default="2048", help="draft: comma-separated lengths, measured in one process")
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--steps", type=int, default=None, help="default 10; varlen 200")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
-    p.add_argument(
-        "--step", choices=("whole", "draft"), default="whole"
-    )  # draft, varlen: what one step holds
+    p.add_argument("--step", default="whole", help="whole | draft (draft mode: comma-separated, each length)")
     p.add_argument("--lengths-from", default=None, help="varlen: a run's outputs folder (shard-*.parquet)")
     p.add_argument("--length-bucket", choices=("off", "block", "geometric"), default="geometric")
     p.add_argument("--max-length", type=int, default=16384, help="varlen: sequences cut here")
     a = p.parse_args()
+    if a.mode != "draft":
+        a.seq = int(a.seq)
+    if any(k not in ("whole", "draft") for k in a.step.split(",")) or (a.mode != "draft" and "," in a.step):
+        p.error(f"--step {a.step}: allowed whole, draft (a comma-separated list in --mode draft)")
     a.steps = a.steps if a.steps is not None else (200 if a.mode == "varlen" else 10)
     modes = {"draft": bench_draft, "online": bench_online, "ddp": bench_ddp, "numerics": bench_numerics}
     modes["varlen"] = bench_varlen
     res = modes[a.mode](a)
-    if torch.cuda.is_available():
-        res["gpu"] = torch.cuda.get_device_name()
-    print(json.dumps(res), flush=True)
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+    for r in res if isinstance(res, list) else [res]:
+        print(json.dumps(r | gpu), flush=True)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,32 @@ def test_the_draft_bench_runs_on_the_cpu_and_splits_its_flops():
     assert lines["draft"]["target_head_tflop_per_step"] == 0
 
 
+def test_one_process_measures_every_length_and_step_asked_in_order():
+    argv = [sys.executable, "scripts/bench_train.py", "--mode", "draft", "--shapes", "tiny", "--seq", "128,256",
+            "--step", "whole,draft", "--steps", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(argv, cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert [(x["seq"], x["step"]) for x in lines] == [
+        (128, "whole"),
+        (128, "draft"),
+        (256, "whole"),
+        (256, "draft"),
+    ]
+    ages = [x["process_age_s"] for x in lines]
+    assert all(a > 0 for a in ages) and ages == sorted(ages)  # each first step ends later in the one process
+    assert all(x["first_step_s"] > 0 and x["step_s"] > 0 for x in lines)
+
+
+def test_a_bad_step_name_is_refused_with_the_allowed_ones():
+    argv = [sys.executable, "scripts/bench_train.py", "--mode", "draft", "--step", "whole,fast"]
+    p = subprocess.run(
+        argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True, capture_output=True
+    )
+    assert p.returncode == 2 and "allowed whole, draft" in p.stderr
+
+
 def test_step_figures_add_the_head_to_the_draft_and_take_mfu_from_the_total():
     c = draft_shapes(4096, 32, 8, 14336, 128256, 32000)
     fig = step_figures(c, 2048, 7, 2, 0.5)
