@@ -109,7 +109,8 @@ def test_password_and_tls(tmp_path):
 
 def test_redis_crash_with_aof_mid_run(tmp_path):
     """Redis SIGKILLed mid-run and started again on its AOF (appendfsync always): the worker waits
-    through the outage, status says what is wrong meanwhile, the run ends exactly once."""
+    through the outage (or, when Celery's reconnect fails, exits 1 saying so and is restarted as its
+    supervisor would), status says what is wrong meanwhile, the run ends exactly once."""
     with private_redis(tmp_path / "redis", "--appendonly", "yes", "--appendfsync", "always") as server:
         settings = Settings(redis_url=server.url, data_root=str(tmp_path / "data"), key_prefix="regentest-aof",
                             lease_ttl_s=6.0, heartbeat_s=1.0)  # fmt: skip
@@ -134,14 +135,32 @@ def test_redis_crash_with_aof_mid_run(tmp_path):
                 wait_progress(lambda: ("Connection to broker lost" in wlog.read_text(), wlog.stat().st_size),
                               what="the worker to notice", stall_s=30, procs=(w,))  # fmt: skip
                 server.start()  # same port, same directory: the AOF is replayed
-                st = wait_run_done(settings, run_id, procs=(w,), timeout_s=120)
+                restarts = 0
+                while True:
+                    try:
+                        st = wait_run_done(settings, run_id, procs=(w,), timeout_s=120)
+                        break
+                    except RuntimeError:
+                        # The supervisor's part (compose.yaml: restart: unless-stopped). kombu 5.7's Redis
+                        # channel can fail its own reconnect (AttributeError in _connparams: the transport's
+                        # client already gone while it restores unacked messages); Celery then stops as on
+                        # an unrecoverable error, and regen's worker exits 1 and says so, for a restart.
+                        log = (tmp_path / ("w.log" if not restarts else f"w{restarts}.log")).read_text()
+                        assert w.poll() == 1 and "exiting 1 for the supervisor" in log and restarts < 2, log[
+                            -3000:
+                        ]
+                        restarts += 1
+                        w = spawn(regen_cmd("worker", "--endpoint", sim, "--max-inflight-per-endpoint", "4"),
+                                  env=env, log=tmp_path / f"w{restarts}.log")  # fmt: skip
             finally:
                 stop(w)
             stats = sim_stats(sim)
     rows = output_rows(settings, run_id)
     assert len(rows) == len({r["prompt_id"] for r in rows}) == 60 == st["prompts_done"]
-    print(f"redis crash + AOF restart: 60 prompts done once, {stats['requests_total']} asked")
-    assert stats["requests_total"] <= 60 + 4 * 2
+    print(
+        f"redis crash + AOF restart: 60 prompts done once, {stats['requests_total']} asked, {restarts} restarts"
+    )
+    assert stats["requests_total"] <= 60 + 4 * (2 + restarts)  # each stop loses at most what was in flight
 
 
 def test_redis_full_under_noeviction_mid_run(tmp_path):
