@@ -47,18 +47,29 @@ def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="
     return tr
 
 
-def _sync() -> None:
+def sync() -> None:
     if torch.cuda.is_available():  # kernels run asynchronously: time them to their end
         torch.cuda.synchronize()
 
 
 def timed(fn, n: int) -> float:
-    _sync()
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    _sync()
+    sync()
     return (time.perf_counter() - t0) / n
+
+
+def target_side(c: DraftConfig, dev, dtype, soft: bool, generator=None):
+    """(final-norm weight, frozen LM head [V, Ht], draft token ids or None): the target's side of a whole
+    step. Rows past the draft vocabulary are zero, as bench_peers.py's SpecForge TargetHead: the argmax
+    lies in the draft vocabulary, whose ids are the first N target ids (make_trainer)."""
+    ht, n = c.target_hidden_size, c.draft_vocab_size
+    norm_w = (torch.rand(ht, generator=generator, device=dev) + 0.5).to(dtype)
+    head = torch.randn(c.vocab_size, ht, generator=generator, device=dev, dtype=dtype).mul_(0.02)
+    head[n:] = 0
+    return norm_w, head, torch.arange(n, device=dev) if soft else None
 
 
 def draft_step(tr: DraftTrainer, c: DraftConfig, b: int, t: int, whole: bool, soft: bool):
@@ -73,10 +84,7 @@ def draft_step(tr: DraftTrainer, c: DraftConfig, b: int, t: int, whole: bool, so
         dl = torch.randn(b, t, n, device=dev, dtype=bf) if soft else None
         return lambda: tr.train_batch(aux, ids, ids, mask, draft_logits=dl)
     last = torch.randn(b, t, ht, device=dev, dtype=bf)
-    norm_w = (torch.rand(ht, device=dev) + 0.5).to(bf)
-    head = torch.randn(c.vocab_size, ht, device=dev, dtype=bf).mul_(0.02)
-    head[n:] = 0  # as bench_peers.py's SpecForge TargetHead: the argmax lies in the draft vocabulary
-    draft_ids = torch.arange(n, device=dev) if soft else None  # make_trainer: the first N target ids
+    norm_w, head, draft_ids = target_side(c, dev, bf, soft)
 
     def step():
         pred, dl = target_step(last, norm_w, c.rms_norm_eps, head, draft_ids)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from regen_service.bench.train_step import sync, target_side
 from regen_service.train import flexattn
 from regen_service.train.lengths import bucket_length, compile_counts
 from regen_service.train.target_head import target_step
@@ -106,11 +107,6 @@ def process_age_s() -> float | None:
         return None
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _quantiles(xs: list[int]) -> dict:
     s = sorted(xs)
     return {f"p{q}": s[min(len(s) - 1, len(s) * q // 100)] for q in (10, 50, 90, 99)}
@@ -137,19 +133,16 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
         if soft and not whole
         else None
     )
-    if whole:  # the target's side as bench_train's whole step: argmax inside the draft vocabulary
-        ht, n = c.target_hidden_size, c.draft_vocab_size
+    if whole:  # the target's side as bench_train's whole step
+        ht = c.target_hidden_size
         last_buf = torch.randn(batch * cap * ht, generator=g, device=dev, dtype=dtype)
-        head = torch.randn(c.vocab_size, ht, generator=g, device=dev, dtype=dtype).mul_(0.02)
-        head[n:] = 0
-        norm_w = torch.ones(ht, device=dev, dtype=dtype)
-        draft_ids = torch.arange(n, device=dev) if soft else None
+        norm_w, head, draft_ids = target_side(c, dev, dtype, soft, g)
     counts0 = compile_counts()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     per_step = []
     first_end_age = None
-    _sync(dev)
+    sync()
     t_first = time.perf_counter()
     for i in range(steps):
         lens = lengths[i * batch : (i + 1) * batch]
@@ -166,7 +159,7 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
             tgt = ids
             dl = dl_buf[: batch * t * c.draft_vocab_size].view(batch, t, -1) if soft else None
         tr.train_batch(aux, ids, tgt, mask, draft_logits=dl, tokens=sum(lens))
-        _sync(dev)
+        sync()
         dt = time.perf_counter() - t0
         if i == 0:
             first_end_age = process_age_s()
