@@ -77,12 +77,15 @@ SHAPES = {
 
 
 def bench_draft(a) -> list[dict]:
+    started = varlen.process_age_s()
     ctx = init_distributed(None)  # CUDA where there is one; the CPU runs the tiny shapes' smoke test
     c = SHAPES[a.shapes]()
-    tr = make_trainer(c, a.ttt, ctx, attention=a.attention)
-    base = {"mode": "draft", "shapes": a.shapes, "target": a.target, "attention": a.attention, "ttt": a.ttt}
+    tr = make_trainer(c, a.ttt, ctx, attention=a.attention, compile_dynamic=a.compile_dynamic)
+    base = {"mode": "draft", "shapes": a.shapes, "target": a.target, "attention": a.attention, "ttt": a.ttt,
+            "attention_impl": tr.draft.midlayer.self_attn.impl, "compile_dynamic": a.compile_dynamic, "imported_age_s": started, "built_age_s": varlen.process_age_s()}  # fmt: skip
     pairs = [(int(t), kind) for t in str(a.seq).split(",") for kind in a.step.split(",")]
-    recs = train_step.measure(tr, c, a.batch, pairs, a.steps, a.target == "soft", base, varlen.process_age_s)
+    recs = train_step.measure(tr, c, a.batch, pairs, a.steps, a.target == "soft", base, varlen.process_age_s,
+                              a.profile)  # fmt: skip
     if any("largest_fitting_seq" in r for r in recs):  # printed by main; the exit status says it
         for r in recs:
             print(json.dumps(r), flush=True)
@@ -127,9 +130,12 @@ def bench_online(a) -> dict:
     }  # fmt: skip
 
 
-def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str, mla: bool = False) -> dict:
+def _numerics_case(
+    t: int, dtype: torch.dtype, soft: bool, dev: str, mla: bool = False, impl: str = "flex"
+) -> dict:
     import copy
 
+    from regen_service.train.grads import GradBuffer
     from regen_service.train.model import Eagle3Draft
     from regen_service.train.ttt import ttt_loss
 
@@ -145,16 +151,19 @@ def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str, mla: bool =
     t2d[:700] = True
     ref.set_vocab(torch.zeros(700, dtype=torch.long), t2d)
     new = copy.deepcopy(ref).to(dtype)
-    new.set_attention("flex" if dev == "cuda" else "eager")
+    new.set_attention(impl if dev == "cuda" else "eager")
+    buf = GradBuffer(list(new.parameters()))  # the gradients as training makes them (grads.py, linear.py)
     aux, ids = torch.randn(2, t, 1536, device=dev), torch.randint(0, 900, (2, t), device=dev)
     mask = (torch.rand(2, t, device=dev) > 0.2).long()
     probs = torch.softmax(torch.randn(2, t, 700, device=dev) * 3, -1) if soft else None
     l0, _ = ttt_loss(ref, aux, ids, ids, mask, 7, 0.8, probs, fused=False)
     l0.backward()
+    buf.begin()
     l1, _ = ttt_loss(new, aux.to(dtype), ids, ids, mask, 7, 0.8, None if probs is None else probs.to(dtype))
     l1.backward()
+    buf.finish()
     g = {
-        n: float((p1.grad.float() - p0.grad).norm() / p0.grad.norm())
+        n: float((p1.main_grad - p0.grad).norm() / p0.grad.norm())
         for (n, p0), (_, p1) in zip(ref.named_parameters(), new.named_parameters(), strict=True)
         if p0.grad is not None
     }
@@ -167,12 +176,21 @@ def _numerics_case(t: int, dtype: torch.dtype, soft: bool, dev: str, mla: bool =
 
 
 def bench_numerics(a) -> dict:
+    """--attention auto: flex (fp32 and bf16) and flash; flash | cudnn | flex: that path's bf16 cases alone."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.attention in ("flash", "cudnn", "flex"):
+        mla = (False, True) if a.attention != "cudnn" else (False,)  # cuDNN here: qk head dim <= 128
+        out = [_numerics_case(t, torch.bfloat16, soft, dev, m, a.attention)
+               for m in mla for t, soft in ((256, True), (300, False))]  # fmt: skip
+        return {"mode": "numerics", "cases": out}
     cases = [(300, torch.float32, False), (300, torch.float32, True), (256, torch.bfloat16, True)]
     cases += [(300, torch.bfloat16, False)]
     out = [_numerics_case(t, dt, soft, dev) for t, dt, soft in cases]
     # the MLA draft in bf16 only: flex in fp32 at qk head dim 192 exceeds shared memory (flexattn.fits)
     out += [_numerics_case(t, torch.bfloat16, soft, dev, mla=True) for t, soft in ((256, True), (300, False))]
+    if dev == "cuda":  # flash (FlashAttention-2 + the diagonal merge) takes bf16 only
+        out += [_numerics_case(t, torch.bfloat16, soft, dev, mla, "flash")
+                for t, soft, mla in ((256, True, False), (300, False, False), (256, True, True), (300, False, True))]  # fmt: skip
     return {"mode": "numerics", "cases": out}
 
 
@@ -214,7 +232,7 @@ def bench_varlen(a) -> dict:
     n = a.steps * a.batch
     pool = varlen.shard_lengths(a.lengths_from) if a.lengths_from else varlen.builtin_lengths(n)
     lengths = varlen.draw(pool, n, 0, a.max_length) if a.lengths_from else pool
-    tr = make_trainer(c, a.ttt, ctx, steps=a.steps, attention=a.attention)
+    tr = make_trainer(c, a.ttt, ctx, steps=a.steps, attention=a.attention, compile_dynamic=a.compile_dynamic)
     built = varlen.process_age_s()
     res = varlen.run_varlen(
         tr, lengths, a.batch, a.length_bucket, a.max_length, a.target == "soft", built, a.step == "whole"
@@ -226,6 +244,7 @@ def bench_varlen(a) -> dict:
         "target": a.target,
         "ttt": a.ttt,
         "lengths_from": source,
+        "compile_dynamic": a.compile_dynamic,
         **res,
     }
 
@@ -239,12 +258,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default 10; varlen 200")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
-    p.add_argument("--attention", choices=("auto", "flex", "eager"), default="auto")
+    p.add_argument("--attention", choices=("auto", "cudnn", "flash", "flex", "eager"), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--step", default="whole", help="whole | draft (draft mode: comma-separated, each length)")
     p.add_argument("--lengths-from", default=None, help="varlen: a run's outputs folder (shard-*.parquet)")
     p.add_argument("--length-bucket", choices=("off", "block", "geometric"), default="geometric")
     p.add_argument("--max-length", type=int, default=16384, help="varlen: sequences cut here")
+    p.add_argument(
+        "--compile-dynamic",
+        choices=("lengths", "auto"),
+        default="lengths",
+        help="how the hot functions compile (regen_service/train/compiled.py)",
+    )
+    p.add_argument("--profile", default=None, help="draft: a folder; 3 steps per pair under torch.profiler")
     a = p.parse_args()
     if a.mode != "draft":
         a.seq = int(a.seq)

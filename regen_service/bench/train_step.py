@@ -15,6 +15,7 @@ it runs on a bare GPU host, without pydantic.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -22,24 +23,29 @@ import torch
 from regen_service.bench.train_flops import step_figures
 from regen_service.draft.config import DraftConfig
 from regen_service.errors import LengthDoesNotFitError
+from regen_service.train.lengths import compile_counts
 from regen_service.train.memory import fit_check
 from regen_service.train.target_head import target_step
 from regen_service.train.trainer import DraftTrainer
 
 
-def train_cfg(ttt: int, lr: float = 1e-4, attention: str = "auto") -> SimpleNamespace:
+def train_cfg(
+    ttt: int, lr: float = 1e-4, attention: str = "auto", compile_dynamic="lengths"
+) -> SimpleNamespace:
     """TrainConfig's sections DraftTrainer reads, without pydantic (a bare GPU host may lack it)."""
     return SimpleNamespace(
-        data=SimpleNamespace(seed=0), model=SimpleNamespace(attention=attention, draft_arch="llama"),
+        data=SimpleNamespace(seed=0),
+        model=SimpleNamespace(attention=attention, draft_arch="llama", compile_dynamic=compile_dynamic),
         optimisation=SimpleNamespace(ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                      warmup_ratio=0.015, min_lr_ratio=0.1, grad_clip=0.5, bf16=True),
     )  # fmt: skip
 
 
-def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto") -> DraftTrainer:
+def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto",
+                 compile_dynamic="lengths") -> DraftTrainer:  # fmt: skip
     # made on the device: at Kimi-K2.5 shapes it is 1.2B entries, seconds of CPU before the GPU starts
     emb = torch.randn(c.vocab_size, c.hidden_size, device=ctx.device).mul_(0.02)
-    tr = DraftTrainer(train_cfg(ttt, lr, attention), c, emb, ctx, steps)
+    tr = DraftTrainer(train_cfg(ttt, lr, attention, compile_dynamic), c, emb, ctx, steps)
     d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)  # draft ids = the first N target ids
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[: c.draft_vocab_size] = True
@@ -94,25 +100,37 @@ def draft_step(tr: DraftTrainer, c: DraftConfig, b: int, t: int, whole: bool, so
 
 
 def measure(tr: DraftTrainer, c: DraftConfig, batch: int, pairs: list[tuple[int, str]], steps: int,
-            soft: bool, base: dict, age=None) -> list[dict]:  # fmt: skip
+            soft: bool, base: dict, age=None, profile_dir=None) -> list[dict]:  # fmt: skip
     """One record per (seq, "whole"|"draft") in `pairs`, in order: warm-up (3 steps, the first timed on its
-    own: it compiles) then `steps` timed steps. A pair whose step cannot fit gives a record with `error`
-    and `largest_fitting_seq` (the fit check's LengthDoesNotFitError) and the rest still run. `age()`:
-    seconds since the process started, or None."""
+        own: it compiles; the fit check's time and compiles before it, apart) then `steps` timed steps, and with
+    `profile_dir` 3 more of each whole step under torch.profiler (bench/profile.py: GPU time by kind of
+    kernel and by op). A pair whose step cannot fit gives a record with `error`
+        and `largest_fitting_seq` (the fit check's LengthDoesNotFitError) and the rest still run. `age()`:
+        seconds since the process started, or None."""
     cuda = tr.ctx.device.type == "cuda"
     out = []
     for t, kind in pairs:
         rec = base | {"step": kind, "batch": batch, "seq": t}
         step = draft_step(tr, c, batch, t, kind == "whole", soft)
         try:  # before timing (the step's inputs and head already held)
+            t0, cc0 = time.perf_counter(), compile_counts()
             fit_check(tr, t, batch, soft=soft, logits_dtype=torch.bfloat16, fields=("--seq", "--batch"))
+            cc1 = compile_counts()
+            rec["fit_check_s"] = round(time.perf_counter() - t0, 2)
+            rec["fit_check_compiles"] = cc1.since(cc0).as_dict()
             first = timed(step, 1)
             rec["first_step_s"] = round(first, 3)
+            rec["first_step_compiles"] = compile_counts().since(cc1).as_dict()
             rec["process_age_s"] = round(age(), 2) if age and age() is not None else None
             timed(step, 2)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             dt = timed(step, steps)
+            if profile_dir is not None and cuda and kind == "whole":
+                from regen_service.bench.profile import profile_steps
+
+                name = f"prof-{base.get('shapes', 'x')}-{t}-{kind}.txt"
+                rec["profile"] = profile_steps(step, 3, Path(profile_dir) / name)
         except LengthDoesNotFitError as e:
             out.append(rec | {"error": str(e), "largest_fitting_seq": e.largest_length})
             continue

@@ -70,7 +70,11 @@ class ModelConfig(_Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     # draft attention in training: "flex" (block-sparse, CUDA), "eager" (the reference), "auto" = flex on CUDA
-    attention: Literal["auto", "flex", "eager"] = "auto"
+    attention: Literal["auto", "cudnn", "flash", "flex", "eager"] = "auto"
+    # how the draft's hot functions compile on CUDA (compiled.py): "lengths" = the sequence dimension
+    # symbolic from the first call (one compile per function whatever the lengths); "auto" = torch's
+    # default (exact shapes first, a second compile at the first new length)
+    compile_dynamic: Literal["lengths", "auto"] = "lengths"
 
 
 class TargetStatesConfig(_Section):

@@ -5,7 +5,7 @@ one key in each of the n later segments: its own earlier draft step (kv % T == t
 steps are concatenated to [B, kv_heads, T*(n+1), d]; flex_attention visits only the 128x128 blocks
 the mask touches (the causal triangle plus one diagonal block per segment), never building the
 [B, heads, T, T*(n+1)] score matrix, and reads grouped keys directly (enable_gqa). Block masks
-are cached per (T, n, device). The kernel is compiled on CUDA; flex_attention has no CPU backward,
+are cached per (T, n, device). The kernel is compiled on CUDA (compiled.py's policy); flex_attention has no CPU backward,
 so the CPU trains with the eager reference (model.Attention) and the CPU tests compare the two
 forwards. The per-step key/value bookkeeping is model.py's. Imports torch only.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from regen_service.train.compiled import compiled, mark_lengths
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -42,11 +44,10 @@ def ttt_mask_mod(t: int):
     return mask_mod
 
 
-@functools.cache
 def _compiled_block_mask():
     # what create_block_mask(_compile=True) did, without its DeprecationWarning at every new mask (the
     # flag is to be removed): one compiled create_block_mask, so a new length is a dynamo cache entry
-    return torch.compile(create_block_mask)
+    return compiled(create_block_mask, all_dynamic=True)
 
 
 # 24 length buckets up to 16K (lengths.py, "geometric") x 7 TTT steps fit; "off" or "block" may evict
@@ -57,10 +58,9 @@ def ttt_block_mask(t: int, segments: int, device: str):
     return make(ttt_mask_mod(t), None, None, t, t * segments, device=device, BLOCK_SIZE=BLOCK)
 
 
-@functools.cache
 def _compiled():
-    # compiled once; dynamic=None lets it generalise over sequence lengths after the first change
-    return torch.compile(flex_attention, dynamic=None)
+    # the lengths arrive as ints too (the BlockMask's seq_lengths): all sizes symbolic under "lengths"
+    return compiled(flex_attention, all_dynamic=True)
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -69,4 +69,5 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     dev = q.device
     bm = ttt_block_mask(t, k.shape[2] // t, str(dev))
     fn = _compiled() if dev.type == "cuda" else flex_attention
+    mark_lengths((q, 2), (k, 2), (v, 2))
     return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -1,15 +1,18 @@
 """The draft's building blocks: RMSNorm, SwiGLU MLP, Llama (GQA) attention and the TTT attention dispatch.
 
 Both draft architectures use these (model.py assembles the Llama-style draft, mla_attention.py adds
-the MLA attention). `attend` is the one place that chooses between the two attention paths, which
+the MLA attention). `attend` is the one place that chooses between the attention paths, which
 compute the same function: `eager` (the reference: full scores, masked, fp32 softmax; any prefix
-length; the CPU's) and `flex` (flexattn.py: block-sparse, GQA without repeat_interleave; CUDA
-training). On CUDA the norm, rotary and SwiGLU elementwise work is compiled. Imports torch only.
+length; the CPU's), `flash` and `cudnn` (flash_ttt.py: FlashAttention-2 or cuDNN's fused attention
+over the causal prefix, the diagonal keys merged by log-sum-exp; CUDA bf16 training) and `flex`
+(flexattn.py: block-sparse over all steps' keys concatenated, GQA without repeat_interleave; CUDA, fp32
+too). The projections go through linear.py (weight gradients into the fp32 buffer, the embedding half
+of the input never multiplied back). On CUDA the norm, rotary and SwiGLU elementwise work is compiled
+(compiled.py says how). Imports torch only.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -17,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from regen_service.draft.config import DraftConfig
-from regen_service.train import flexattn
+from regen_service.train import flash_ttt, flexattn
+from regen_service.train.compiled import fused_on, mark_lengths
+from regen_service.train.linear import NormedPair, linear, project
 from regen_service.train.rope import apply_rope
 
 
@@ -40,6 +45,19 @@ class RMSNorm(nn.Module):
             torch._dynamo.maybe_mark_dynamic(flat, 0)
         return fn(flat, self.weight, self.eps).view(x.shape)
 
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x normalized, in its dtype, before the weight multiplies it: forward(x) == weight * normalized(x)
+        (linear.NormedPair keeps the two apart). For inputs that need no gradient (the embedding)."""
+        flat = x.reshape(-1, x.shape[-1])
+        fn = fused_on(x, _normalize)
+        if fn is not _normalize:
+            torch._dynamo.maybe_mark_dynamic(flat, 0)
+        return fn(flat, self.eps).view(x.shape)
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
@@ -52,39 +70,36 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=None)
-
-
-def fused_on(x: torch.Tensor, fn):
-    """fn compiled (fused elementwise kernels) on CUDA; plain on the CPU, where tests need no compiler."""
-    return _compiled(fn) if x.is_cuda else fn
-
-
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.c = c
-        self.impl = "eager"  # or "flex" (the trainer picks it; flexattn.available says where it can train)
+        self.impl = "eager"  # or "flash", "flex" (the trainer picks; flash_ttt.supported, flexattn.available)
         h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
         self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list) -> torch.Tensor:
-        """x: [B, T, 2H]; cos/sin [B or 1, 1, T, d]. Appends this step's (k, v) to `cache` (grouped
-        kv heads, not repeated) and attends to all of it (`attend`)."""
+    def forward(
+        self, x: torch.Tensor | NormedPair, cos: torch.Tensor, sin: torch.Tensor, cache: list
+    ) -> torch.Tensor:
+        """x: [B, T, 2H] (or the layer's NormedPair); cos/sin [B or 1, 1, T, d]. Appends this step's (k, v)
+        to `cache` (grouped kv heads, not repeated) and attends to all of it (`attend`)."""
         c = self.c
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        rot = fused_on(x, apply_rope)
-        q, k = rot(q, cos, sin), rot(k, cos, sin)
+        q, k, v = project(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        q = q.view(b, t, c.num_attention_heads, c.head_dim)
+        k = k.view(b, t, c.num_key_value_heads, c.head_dim)
+        # rotated as [B, T, h, d] and viewed as [B, h, T, d]: q, k and v all in the projections' layout,
+        # the one the fused attention kernels read and write, so no transpose is copied either way
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+        rot = fused_on(q, apply_rope)
+        mark_lengths((q, 1), (k, 1), (cos, 1), (sin, 1))
+        q, k = rot(q, cos, sin).transpose(1, 2), rot(k, cos, sin).transpose(1, 2)
+        v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         out = attend(self.impl, q, k, v, cache, 1.0 / math.sqrt(c.head_dim))
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return linear(out.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
 
 def attend(
@@ -93,10 +108,12 @@ def attend(
     """Append this step's (k, v) to `cache` and attend over all of it: q [B, h, T, d] -> [B, h, T, dv].
 
     cache[0] is the prefix (length Tk >= T; query t sits at key Tk - T + t, causal); every later
-    entry has exactly one key per query (that query's own earlier draft steps). `flex` needs the
-    training layout (prefix length == T); anything else takes the eager reference."""
+    entry has exactly one key per query (that query's own earlier draft steps). `flash` and `flex` need
+    the training layout (prefix length == T); anything else takes the eager reference."""
     cache.append((k, v))
     t = q.shape[2]
+    if impl in ("flash", "cudnn") and cache[0][0].shape[2] == t:
+        return flash_ttt.ttt_attention(q, cache, scale, backend=impl)
     if impl == "flex" and cache[0][0].shape[2] == t:
         kk = torch.cat([kj for kj, _ in cache], 2) if len(cache) > 1 else k
         vv = torch.cat([vj for _, vj in cache], 2) if len(cache) > 1 else v
@@ -130,4 +147,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_on(x, _swiglu)(self.gate_proj(x), self.up_proj(x)))
+        gate, up = project(x, [self.gate_proj.weight, self.up_proj.weight])
+        mark_lengths((gate, -2), (up, -2))
+        return linear(fused_on(x, _swiglu)(gate, up), self.down_proj.weight)

@@ -14,20 +14,25 @@ weight is ttt.py's. Imports torch only.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-CHUNK_ELEMS = 1 << 27  # logits elements per chunk (512 MiB in fp32)
+from regen_service.train.compiled import fused_on, mark_lengths
+from regen_service.train.grads import mm_into, owner
+
+# logits elements per chunk: 1 GiB in bf16 (logits and their gradient alive, fp32 math fused in between).
+# Fewer chunks, fewer passes of the fp32 weight gradient through the GEMM's epilogue: 4 chunks over
+# the 7 TTT steps of an 8K sequence at a 32K draft vocabulary (8388 rows a chunk before: 7)
+CHUNK_ELEMS = 1 << 29
 
 
-def _chunk_math(logits: torch.Tensor, p: torch.Tensor | None, ids: torch.Tensor | None, rw: torch.Tensor):
-    """-> (CE per row, argmax, dL/dlogits weighted by rw, in logits' dtype). fp32 math inside."""
+def _chunk_math(logits, probs, rows, ids, rw: torch.Tensor):
+    """-> (CE per row, argmax, dL/dlogits weighted by rw, in logits' dtype). fp32 math inside. Soft
+    targets are probs[rows], read in here (compiled, the gather is fused into the loads: no copy)."""
     z = logits.float()
     lse = torch.logsumexp(z, -1, keepdim=True)
     sm = torch.exp(z - lse)
-    if p is not None:
-        p = p.float()
+    if probs is not None:
+        p = probs[rows].float()
         ce = (p * (lse - z)).sum(-1)
         grad = sm - p
     else:
@@ -36,39 +41,46 @@ def _chunk_math(logits: torch.Tensor, p: torch.Tensor | None, ids: torch.Tensor 
     return ce, z.argmax(-1), (grad * rw[:, None]).to(logits.dtype)
 
 
-@functools.cache
-def _compiled_chunk_math():
-    return torch.compile(_chunk_math, dynamic=None)
-
-
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, rw, probs, prob_rows, ids):
+    def forward(ctx, x, w, rw, probs, prob_rows, ids, buf):
         n, v = x.shape[0], w.shape[0]
         chunk = max(1, CHUNK_ELEMS // v)
-        math = _compiled_chunk_math() if x.is_cuda else _chunk_math
+        math = fused_on(x, _chunk_math)
         gx = torch.empty_like(x)
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if w.requires_grad else None
+        # fp32: cuBLAS accumulates each chunk's bf16 product into it (grads.mm_into)
+        gw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if w.requires_grad else None
         ce_all = torch.empty(n, dtype=torch.float32, device=x.device)
         arg_all = torch.empty(n, dtype=torch.int64, device=x.device)
+        if probs is not None:
+            mark_lengths((probs, 0))
         for s in range(0, n, chunk):
             xc = x[s : s + chunk]
             logits = xc @ w.T
-            p = probs[prob_rows[s : s + chunk]] if probs is not None else None
+            rows = prob_rows[s : s + chunk] if probs is not None else None
             idc = ids[s : s + chunk] if ids is not None else None
-            ce, arg, g = math(logits, p, idc, rw[s : s + chunk])
+            rwc = rw[s : s + chunk]
+            mark_lengths((logits, 0), (rows, 0), (idc, 0), (rwc, 0))
+            ce, arg, g = math(logits, probs, rows, idc, rwc)
             ce_all[s : s + chunk], arg_all[s : s + chunk] = ce, arg
-            gx[s : s + chunk] = g @ w
+            torch.mm(g, w, out=gx[s : s + chunk])
             if gw is not None:
-                gw += (g.T @ xc).float()
-        ctx.save_for_backward(gx, gw.to(w.dtype) if gw is not None else None)
+                mm_into(gw, g.T, xc, overwrite=s == 0)
+        ctx.buf = buf
+        # the fp32 gradient goes to the weight's main_grad (grads.py); without one, autograd's in w's dtype
+        ctx.save_for_backward(gx, gw if gw is None or ctx.buf is not None else gw.to(w.dtype))
         ctx.mark_non_differentiable(ce_all, arg_all)
+        ctx.w = w if ctx.buf is not None else None
         return (ce_all * rw).sum(), ce_all, arg_all
 
     @staticmethod
     def backward(ctx, g, _ce, _arg):
         gx, gw = ctx.saved_tensors
-        return gx * g.to(gx.dtype), (gw * g.to(gw.dtype) if gw is not None else None), None, None, None, None
+        dx = gx.mul_(g.to(gx.dtype))  # ours alone, and backward runs once: scaled in place
+        if ctx.buf is not None:
+            ctx.buf.add(ctx.w, gw, scale=g.float())
+            return dx, None, None, None, None, None, None
+        return dx, (gw * g.to(gw.dtype) if gw is not None else None), None, None, None, None, None
 
 
 def _check(target_probs, prob_rows, target_ids) -> None:
@@ -81,7 +93,8 @@ def _check(target_probs, prob_rows, target_ids) -> None:
 def head_loss(x, w, row_weight, *, target_probs=None, prob_rows=None, target_ids=None):
     """x [N, H] (normed hidden), w [V, H] (lm_head), row_weight [N] fp32. -> (loss, CE [N], argmax [N])."""
     _check(target_probs, prob_rows, target_ids)
-    return _FusedHeadLoss.apply(x, w, row_weight.float(), target_probs, prob_rows, target_ids)
+    # the weight's fp32 gradient buffer, looked up here: autograd records out here, not inside forward
+    return _FusedHeadLoss.apply(x, w, row_weight.float(), target_probs, prob_rows, target_ids, owner(w))
 
 
 def reference_loss(x, w, row_weight, *, target_probs=None, prob_rows=None, target_ids=None):

@@ -4,7 +4,7 @@
 forward and backward through `trainer.module`, never an optimizer step) at two short lengths and fits
 peak = fixed + length x per-position bytes (flex attention never builds T^2 scores: the step grows
 linearly), adds the AdamW moments the first optimizer step allocates, bounds the optimizer step itself
-(fp32 master gradients, inputs still held), and compares the peak at `max_length` with what the device
+(inputs still held; the fp32 gradients are held from the start), and compares the peak at `max_length` with what the device
 can give. A length the line passes is then tried once for real, so an out-of-memory cannot happen at a
 length the check passed; when that trial overshoots, the length named is found by a few more trials
 (`search_largest`). A refusal is LengthDoesNotFitError (a ConfigError) naming the fields to lower and
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from regen_service.errors import LengthDoesNotFitError
-from regen_service.train.memory_probe import StepProbe, held_bytes, pending_state_bytes, step_grad_bytes
+from regen_service.train.memory_probe import StepProbe, held_bytes, pending_state_bytes
 
 PROBE_LENGTHS = (512, 1024)
 MARGIN = 0.05  # of what the device has, kept back for fragmentation and allocations outside the step
@@ -132,8 +132,9 @@ def _judge(trainer, probe, measure, max_length, probe_lengths, usable, budget, w
     slope = max(slope, inputs)  # the inputs alone grow this much per position: noise cannot undercut it
     pending = pending_state_bytes(trainer)
     held = torch.cuda.memory_allocated(probe.dev) if probe.dev.type == "cuda" else held_bytes(trainer)
-    # the optimizer step: activations are gone, the inputs are still held, gradients are fp32 copies
-    step_fixed = held + pending + step_grad_bytes(trainer)
+    # the optimizer step: activations are gone, the inputs are still held; the fp32 gradients are the
+    # trainer's flat buffer, in `held` already (grads.py)
+    step_fixed = held + pending
     fixed = max(fixed, held) + pending  # a line through super-linear points (eager attention) dips below
 
     def report(per_position: float, measured: int | None = None) -> FitReport:

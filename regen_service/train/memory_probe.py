@@ -6,8 +6,8 @@ the target's draft-vocab logits and their softmax), never an optimizer step: gra
 after, parameters untouched, no random number drawn. `cuda_peak(length)` is the CUDA allocator's
 peak; `saved_bytes(length)` the CPU's stand-in (what autograd saves for backward, plus inputs,
 gradients and what the trainer holds). The other helpers count what the optimizer step will add:
-AdamW's moments, which its first step allocates, and the fp32 gradients of the masters. Imports
-torch only.
+AdamW's moments, which its first step allocates (the fp32 gradients live in the trainer's flat
+buffer from the start, so held memory has them). Imports torch only.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 
 class StepProbe:
@@ -45,14 +44,14 @@ class StepProbe:
             torch.zeros(b, t, c.draft_vocab_size, device=dev, dtype=self.logits_dtype) if self.soft else None
         )
         module = tr.module
-        # no_sync: no gradient all-reduce, so a rank that runs out of memory leaves none of the others waiting
-        sync = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+        # no collective runs in forward or backward (the gradient all-reduce is the trainer's, after), so a
+        # rank that runs out of memory here leaves none of the others waiting
         hooks = (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x) if pack else contextlib.nullcontext()
         )
         module.train()
         try:
-            with torch.enable_grad(), sync:
+            with torch.enable_grad():
                 with hooks:
                     probs = None if logits is None else tr.target_probs(logits)
                     loss, _ = module(aux, ids, tgt, mask, probs)
@@ -63,6 +62,7 @@ class StepProbe:
         finally:
             for p in tr.draft.parameters():
                 p.grad = None
+            tr.masters.grads.begin()  # what backward wrote is not a step's: the next step overwrites it
 
     def cuda_peak(self, t: int) -> int:
         if not self._warm:  # the first call compiles the step's kernels; measure a run that does not
@@ -96,8 +96,10 @@ def nbytes(x: torch.Tensor) -> int:
 
 
 def held_bytes(trainer) -> int:
-    """Bytes of what the trainer keeps: parameters, buffers, fp32 masters, optimizer state."""
+    """Bytes of what the trainer keeps: parameters, buffers, fp32 masters and their gradient buffer,
+    optimizer state."""
     tensors = [*trainer.draft.parameters(), *trainer.draft.buffers(), *trainer.masters.masters]
+    tensors.append(trainer.masters.grads.flat)
     tensors += [v for s in trainer.opt.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum({x.untyped_storage().data_ptr(): nbytes(x) for x in tensors}.values())
 
@@ -107,11 +109,3 @@ def pending_state_bytes(trainer) -> int:
     amsgrad): nothing for masters that have state already (a checkpoint was loaded)."""
     per = 3 if trainer.opt.defaults.get("amsgrad") else 2
     return sum(per * nbytes(m) for m in trainer.masters.masters if not trainer.opt.state.get(m))
-
-
-def step_grad_bytes(trainer) -> int:
-    """Gradients held through the optimizer step: the fp32 masters' plus the one bf16 gradient being
-    copied (optim.MasterWeights.to_masters), or the fp32 parameters' own."""
-    mw = trainer.masters
-    copied = [nbytes(p) for m, p in zip(mw.masters, mw.params, strict=True) if m is not p]
-    return sum(nbytes(m) for m in mw.masters) + max(copied, default=0)

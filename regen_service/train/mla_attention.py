@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from regen_service.draft.config import DraftConfig
-from regen_service.train.layers import RMSNorm, attend, fused_on
+from regen_service.train.compiled import fused_on, mark_lengths
+from regen_service.train.layers import RMSNorm, attend
+from regen_service.train.linear import NormedPair, linear, project
 from regen_service.train.rope import apply_rope, mla_softmax_scale
 
 
@@ -46,22 +48,30 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(nh * self.v_dim, c.hidden_size, bias=False)
         self.scale = mla_softmax_scale(self.nope + self.rope, c.rope_scaling)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list) -> torch.Tensor:
-        """x [B, T, 2H]; cos/sin [B or 1, 1, T, qk_rope]: [B, T, H]. Appends this step's (k, v), every
+    def forward(
+        self, x: torch.Tensor | NormedPair, cos: torch.Tensor, sin: torch.Tensor, cache: list
+    ) -> torch.Tensor:
+        """x [B, T, 2H] (or the layer's NormedPair); cos/sin [B or 1, 1, T, qk_rope]: [B, T, H]. Appends this step's (k, v), every
         head expanded, to `cache` (layers.attend)."""
         b, t, _ = x.shape
         nh = self.c.num_attention_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_a, kv_a = project(x, [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+        q = linear(self.q_a_layernorm(q_a), self.q_b_proj.weight)
         q_nope, q_rope = (
             q.view(b, t, nh, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], -1)
         )
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.c.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, t, nh, self.nope + self.v_dim).transpose(1, 2)
+        c_kv, k_rope = kv_a.split([self.c.kv_lora_rank, self.rope], -1)
+        kv = linear(self.kv_a_layernorm(c_kv), self.kv_b_proj.weight)
+        kv = kv.view(b, t, nh, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
-        rot = fused_on(x, apply_rope)
-        q_rope = rot(interleaved_to_half(q_rope), cos, sin)
-        k_rope = rot(interleaved_to_half(k_rope[:, None]), cos, sin)  # one head, shared
+        rot = fused_on(q, apply_rope)
+        q_rope, k_rope = (
+            interleaved_to_half(q_rope),
+            interleaved_to_half(k_rope[:, None]),
+        )  # k: one head, shared
+        mark_lengths((q_rope, 2), (k_rope, 2), (cos, 2), (sin, 2))
+        q_rope, k_rope = rot(q_rope, cos, sin), rot(k_rope, cos, sin)
         q = torch.cat([q_nope, q_rope], -1)
         k = torch.cat([k_nope, k_rope.expand(b, nh, t, self.rope)], -1)
         out = attend(self.impl, q, k, v.contiguous(), cache, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return linear(out.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)

@@ -19,6 +19,7 @@ from torch import nn
 
 from regen_service.draft.config import DraftConfig
 from regen_service.train.layers import MLP, Attention, RMSNorm
+from regen_service.train.linear import NormedPair
 from regen_service.train.mla_attention import MLAAttention
 from regen_service.train.rope import RotaryTable
 
@@ -39,7 +40,11 @@ class MidLayer(nn.Module):
 
     def forward(self, emb, hidden, cos, sin, cache) -> torch.Tensor:
         residual = hidden
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+        # [input_layernorm(emb); hidden_norm(hidden)], kept apart: the frozen embedding's half needs no
+        # input gradient (linear.py)
+        x = NormedPair(
+            self.input_layernorm.normalized(emb), self.input_layernorm.weight, self.hidden_norm(hidden)
+        )
         hidden = residual + self.self_attn(x, cos, sin, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -82,8 +87,8 @@ class Eagle3Draft(nn.Module):
             self.set_vocab(state_dict[prefix + "d2t"], state_dict[prefix + "t2d"])
 
     def set_attention(self, impl: str) -> None:
-        if impl not in ("eager", "flex"):
-            raise ValueError(f"attention impl {impl!r}: allowed eager, flex")
+        if impl not in ("eager", "flex", "flash", "cudnn"):
+            raise ValueError(f"attention impl {impl!r}: allowed eager, flex, flash, cudnn")
         self.midlayer.self_attn.impl = impl
 
     def step_hidden(self, input_ids, hidden, cos, sin, cache):

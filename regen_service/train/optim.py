@@ -1,15 +1,19 @@
 """bf16 parameters, fp32 master weights: the optimizer sees fp32, the model computes in bf16.
 
-`MasterWeights(params)` keeps an fp32 copy of each bf16 trainable parameter; `to_masters()` moves
-the bf16 gradients onto the copies (fp32) before clipping and the AdamW step, `to_params()` writes
-the updated copies back in bf16. fp32 parameters (the CPU) are their own masters: nothing is copied.
-Frozen parameters (the target's embedding) get no copy at all. The optimizer and its schedule are
-trainer.py's. Imports torch only.
+`MasterWeights(params)` keeps an fp32 copy of each bf16 trainable parameter and the fp32 gradients of
+all of them in one flat buffer (`grads`, grads.py: the linears and the head loss write their weight
+gradients there during backward). `to_masters()` closes the step's gradients (folds in what plain
+autograd left in `.grad`) and hands each master its fp32 view of the buffer as `.grad`, with no copy,
+before clipping and the AdamW step; `to_params()` writes the updated copies back in bf16. fp32
+parameters (the CPU) are their own masters: nothing is copied. Frozen parameters (the target's
+embedding) get no copy and no gradient. The optimizer and its schedule are trainer.py's. Imports torch only.
 """
 
 from __future__ import annotations
 
 import torch
+
+from regen_service.train.grads import GradBuffer
 
 
 class MasterWeights:
@@ -19,16 +23,16 @@ class MasterWeights:
             p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
             for p in self.params
         ]
+        self.grads = GradBuffer(self.params)
 
     @property
     def copied(self) -> bool:
         return any(m is not p for m, p in zip(self.masters, self.params, strict=True))
 
     def to_masters(self) -> None:
+        self.grads.finish()
         for m, p in zip(self.masters, self.params, strict=True):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None  # the bf16 gradient is spent; free it before the optimizer's state grows
+            m.grad = p.main_grad  # fp32, a view of the flat buffer
 
     @torch.no_grad()
     def to_params(self) -> None:

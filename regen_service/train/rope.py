@@ -106,7 +106,7 @@ class RotaryTable:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Llama's, neox style). x [B, h, T, d]; cos/sin broadcastable to it."""
+    """Rotate-half RoPE (Llama's, neox style). x [B, h, T, d] or [B, T, h, d]; cos/sin broadcastable to it."""
     d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin

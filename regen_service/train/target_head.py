@@ -14,8 +14,14 @@ from __future__ import annotations
 import torch
 
 # Logits elements per position chunk: Kimi-K2.5's head is 163,840 wide, so [T, V] logits of an 8K
-# sequence would be 2.7 GB in bf16; a chunk of 2^26 elements is 128 MiB and still a large GEMM.
-HEAD_CHUNK_ELEMS = 1 << 26
+# sequence would be 2.7 GB in bf16; a chunk of 2^27 elements is 256 MiB (819 positions) and a large GEMM.
+# The positions are split into equal chunks (`_chunk_rows`): no short last chunk running a thin GEMM.
+HEAD_CHUNK_ELEMS = 1 << 27
+
+
+def _chunk_rows(n: int, width: int) -> int:
+    most = max(1, HEAD_CHUNK_ELEMS // width)
+    return -(-n // -(-n // most))  # n split into ceil(n / most) chunks of equal size (the last smaller)
 
 
 def final_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,7 +48,7 @@ def head_outputs(
     if draft_token_ids is not None:
         cols = draft_token_ids.to(x.device)
         draft = torch.empty(b * t, len(cols), dtype=torch.float32, device=x.device)
-    chunk = max(1, HEAD_CHUNK_ELEMS // head.shape[0])
+    chunk = _chunk_rows(b * t, head.shape[0])
     for s in range(0, b * t, chunk):
         logits = x[s : s + chunk] @ head.T
         pred[s : s + chunk] = logits.argmax(-1)

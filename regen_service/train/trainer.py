@@ -4,10 +4,14 @@
 target's draft-vocab distribution for soft targets) into one optimizer step; it knows nothing about
 Redis or shards (loop.py feeds it; the GPU benchmark feeds it synthetic states). On a GPU with
 `bf16` the parameters are bf16 (the frozen target embedding too: no fp32 copy of it) and AdamW
-steps fp32 master weights (optim.py); attention is flex (flexattn.py). The CPU keeps fp32 and the
-eager attention. Under torchrun the TTT module is wrapped in DistributedDataParallel. Imports
-torch only; `cfg` is a TrainConfig or any object with its nested attributes (`data.seed`,
-`model.attention`, `optimisation.lr` ...: the GPU benchmark passes a namespace).
+steps fp32 master weights (optim.py) whose gradients backward writes in fp32 (grads.py); attention is
+cuDNN's or FlashAttention-2 with the TTT diagonal merged (flash_ttt.py; `choose_attention`). The CPU
+keeps fp32 and the eager attention. Under torchrun every rank starts from rank 0's weights and the
+flat gradient buffer is averaged with one all-reduce before clipping (what DistributedDataParallel did
+per bucket; the layer's weights get their last gradient at the end of backward anyway, step 0 of the
+TTT unroll being the last one run). Imports torch only; `cfg` is a TrainConfig or any object with its
+nested attributes (`data.seed`, `model.attention`, `optimisation.lr` ...: the GPU benchmark passes a
+namespace).
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import math
 import time
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+import torch.distributed as dist
 
 from regen_service.draft.config import DraftConfig
-from regen_service.train import flexattn
+from regen_service.train import compiled, flash_ttt, flexattn
 from regen_service.train.dist import DistContext, all_reduce_mean
 from regen_service.train.lengths import compile_counts
 from regen_service.train.model import Eagle3Draft
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # head dims the serving attention kernels take (FlashInfer/FA3 in SGLang: 64, 128, 256)
 SERVED_HEAD_DIMS = (64, 128, 256)
+# what model.attention "auto" takes, the first that runs here (choose_attention)
+AUTO_ORDER = ("cudnn", "flash", "flex", "eager")
 
 
 def served_heads(hidden: int, heads: int) -> tuple[int, int]:
@@ -133,6 +139,38 @@ def _mla_draft_config(tc, model) -> DraftConfig:
     )
 
 
+def choose_attention(requested: str, dtype: torch.dtype, qk_head_dim: int, device: torch.device) -> str:
+    """The attention path for model.attention: "auto" is the first of AUTO_ORDER that runs here: cuDNN's
+    fused attention (CUDA, bf16, qk head dim <= 128), FlashAttention-2 (<= 256; both flash_ttt.supported:
+    the MLA draft's 192 takes it), flex where its kernel fits, eager. An explicit path that cannot run
+    here is refused, naming what can."""
+    ok = {
+        "cudnn": flash_ttt.supported(dtype, qk_head_dim, device, "cudnn"),
+        "flash": flash_ttt.supported(dtype, qk_head_dim, device, "flash"),
+        "flex": flexattn.available(device) and flexattn.fits(dtype, qk_head_dim),
+        "eager": True,
+    }
+    if requested == "auto":
+        return next(n for n in AUTO_ORDER if ok[n])
+    if ok[requested]:
+        return requested
+    allowed = ", ".join(n for n, good in ok.items() if good)
+    if requested in ("flash", "cudnn"):
+        raise ValueError(
+            f"attention {requested}: needs CUDA, bf16 parameters and a qk head dim <= "
+            f"{flash_ttt.MAX_HEAD_DIM[requested]} (device {device}, {dtype}, head dim {qk_head_dim}); "
+            f"allowed here: {allowed}"
+        )
+    if not flexattn.available(device):
+        raise ValueError(
+            f"attention flex: needs CUDA and torch>=2.5 (device {device}); allowed here: {allowed}"
+        )
+    raise ValueError(
+        f"attention flex: fp32 parameters with qk head dim {qk_head_dim} exceed the flex kernel's shared "
+        "memory; set bf16: true (the default) or attention: eager"
+    )
+
+
 class WarmupCosine:
     """Linear warmup, cosine decay to min_ratio at `total` steps, flat after. A class so it pickles."""
 
@@ -163,36 +201,26 @@ class DraftTrainer:
             self.draft.embed_tokens.weight.copy_(
                 embed_weight.to(ctx.device, self.draft.embed_tokens.weight.dtype)
             )
-        attn = cfg.model.attention
-        fits = flexattn.fits(torch.bfloat16 if self.bf16 else torch.float32, dc.head_dim)
-        if attn == "auto":
-            attn = "flex" if flexattn.available(ctx.device) and fits else "eager"
-        if attn == "flex" and not flexattn.available(ctx.device):
-            raise ValueError(
-                f"attention flex: needs CUDA and torch>=2.5 (device {ctx.device}); allowed here: eager"
+        self.draft.set_attention(
+            choose_attention(
+                cfg.model.attention, torch.bfloat16 if self.bf16 else torch.float32, dc.head_dim, ctx.device
             )
-        if attn == "flex" and not fits:
-            raise ValueError(
-                f"attention flex: fp32 parameters with qk head dim {dc.head_dim} exceed the flex kernel's shared "
-                "memory; set bf16: true (the default) or attention: eager"
-            )
-        self.draft.set_attention(attn)
-        self.ttt = TTTModule(self.draft, cfg.optimisation.ttt_length, cfg.optimisation.ttt_decay)
-        self.module = (
-            DistributedDataParallel(
-                self.ttt,
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                broadcast_buffers=False,
-            )
-            if ctx.distributed
-            else self.ttt
         )
+        compiled.set_dynamic(getattr(cfg.model, "compile_dynamic", "lengths"))
+        self.ttt = TTTModule(self.draft, cfg.optimisation.ttt_length, cfg.optimisation.ttt_decay)
+        self.module = self.ttt
+        if ctx.distributed:  # every rank starts from rank 0's weights (DistributedDataParallel did this)
+            with torch.no_grad():
+                for p in self.draft.parameters():
+                    if p.requires_grad:  # the frozen embedding is the target's on every rank
+                        dist.broadcast(p, 0)
         self.masters = MasterWeights(list(self.draft.parameters()))
+        self.fused_opt = ctx.device.type == "cuda"
         # fused: one kernel over all fp32 masters on CUDA (the update is memory-bound: ~12 GB a step at
         # Llama-8B draft shapes), where foreach launches several passes
         self.opt = torch.optim.AdamW(
             self.masters.masters, lr=cfg.optimisation.lr, betas=tuple(cfg.optimisation.betas), weight_decay=cfg.optimisation.weight_decay,
-            fused=ctx.device.type == "cuda",
+            fused=self.fused_opt,
         )  # fmt: skip
         warmup = max(1, int(total_steps * cfg.optimisation.warmup_ratio))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -226,14 +254,16 @@ class DraftTrainer:
         self.module.train()
         dev = self.ctx.device
         probs = None if draft_logits is None else self.target_probs(draft_logits)
+        grads = self.masters.grads
+        grads.begin()
         loss, metrics = self.module(
             aux.to(dev), input_ids.to(dev), target_ids.to(dev), loss_mask.to(dev), probs
         )
         (loss * weight).backward()
         self.masters.to_masters()
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(
-            self.masters.masters, self.cfg.optimisation.grad_clip
-        )
+        grads.all_reduce_mean(self.ctx.world)
+        metrics["grad_norm"] = norm = grads.norm()
+        self._clip(norm, self.cfg.optimisation.grad_clip)
         self.opt.step()
         self.masters.to_params()
         self.sched.step()
@@ -242,6 +272,15 @@ class DraftTrainer:
         self._tokens += (int(input_ids.numel()) if tokens is None else tokens) if weight else 0
         metrics["loss"] = loss.detach()
         return metrics
+
+    def _clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        """clip_grad_norm_'s rule (scale by max_norm / (norm + 1e-6) when below 1) on the flat buffer. The
+        fused AdamW divides each gradient by its `grad_scale` as it reads it (the unscale meant for AMP's
+        loss scaling), so on CUDA the clip costs no pass over the gradients."""
+        if self.fused_opt:
+            self.opt.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        else:
+            self.masters.grads.flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
     def log_record(self, metrics: dict[str, torch.Tensor]) -> dict:
         """Metrics averaged over ranks (collective: every rank calls it), with throughput since last call

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from regen_service.train.linear import linear
 from regen_service.train.loss import head_loss, reference_loss
 from regen_service.train.model import Eagle3Draft
 
@@ -37,7 +38,7 @@ def unroll(
     t + i) reads token x[t+1+i] and step i-1's hidden (step 0: fc(aux)). The training loss and the
     held-out evaluation (evaluate.py) both unroll through here, so they score the same computation."""
     t = input_ids.shape[1]
-    hidden = draft.fc(aux.to(draft.fc.weight.dtype))
+    hidden = linear(aux.to(draft.fc.weight.dtype), draft.fc.weight)
     cos, sin = draft.rotary.get(t + steps, input_ids.device, hidden.dtype)
     cache: list = []
     for i in range(steps):

@@ -1,0 +1,203 @@
+"""TTT attention as a causal flash attention over the prefix plus the diagonal keys, merged by log-sum-exp.
+
+At TTT step n each query t attends to the step-0 keys causally and to one key in each of the n later
+segments: its own earlier draft steps (flexattn.py states the mask). flex attention runs that as one
+block-sparse kernel over the concatenated keys; this module splits it in two exact parts instead:
+
+- the causal part is FlashAttention-2 as PyTorch ships it (`aten._scaled_dot_product_flash_attention`
+  and its `_backward`, torch 2.11's and 2.13's schemas), which returns the rows' log-sum-exp `lse_c`;
+- each diagonal key j adds one score per query, s_j = q . k_j * scale, folded in by an online softmax
+  (`_absorb`: L <- logaddexp(L, s_j), out <- out * e^(L_old - L) + e^(s_j - L) v_j), fp32, so the
+  merged output and the global log-sum-exp L are exactly the masked softmax's.
+
+Backward: as ring attention does it, the flash backward is called with the merged output and the
+global L, so its P = exp(QK^T * scale - L) are the global softmax's probabilities and its
+dS = P (dP - D), D = rowsum(dO * O), are the causal block's exact gradients; each diagonal key's
+part is the same formula on one score (`_diag_grad`). Nothing is concatenated: flex needs every
+step's keys in one [T * (n+1)] tensor, copied at each step and saved for backward.
+
+FlashAttention-2 takes bf16/fp16 and one head dim for q, k and v: the MLA draft's values (128) are
+zero-padded to its qk head dim (192), and grouped keys (GQA) are expanded to the query heads (dK, dV
+summed back). The elementwise parts compile once for every length (compiled.py). `reference=True`
+(and any CPU tensor) computes the causal part with plain torch by the same formulas, so the CPU tests
+hold the merge and its backward to the eager attention's autograd. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from regen_service.train.compiled import fused_on, mark_lengths
+
+BACKENDS = ("flash", "cudnn", "reference")
+MAX_HEAD_DIM = {"flash": 256, "cudnn": 128}  # FlashAttention-2's largest head dim; cuDNN's taken here
+
+
+def supported(dtype: torch.dtype, qk_head_dim: int, device: torch.device, backend: str = "flash") -> bool:
+    """Whether this backend trains here: CUDA, half precision, a head dim its kernel takes."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and qk_head_dim <= MAX_HEAD_DIM[backend]
+        and qk_head_dim % 8 == 0
+    )
+
+
+def _grouped(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """[B, h, T, d] -> [B, kv, h // kv, T, d] (a view): query heads grouped by the key head they read."""
+    b, h, t, d = x.shape
+    return x.view(b, kv, h // kv, t, d)
+
+
+def _absorb(q, acc, lse, k, v, scale: float):
+    """One diagonal key per query into the running softmax: (acc fp32 [B,h,T,dv], lse [B,h,T]) ->
+    (acc', lse', s). q [B,h,T,d]; k [B,kv,T,d]; v [B,kv,T,dv]."""
+    kv = k.shape[1]
+    qg = _grouped(q, kv).float()
+    s = (qg * k.float()[:, :, None]).sum(-1).flatten(1, 2) * scale  # [B, h, T]
+    new = torch.logaddexp(lse, s)
+    keep, take = torch.exp(lse - new)[..., None], torch.exp(s - new)[..., None]
+    vv = v.float()[:, :, None].expand(-1, -1, q.shape[1] // kv, -1, -1).flatten(1, 2)
+    return acc * keep + take * vv, new, s
+
+
+def _diag_grad(q, dout, dsum, lse, s, k, v, scale: float, dq):
+    """The gradients through one diagonal key: (dq + its part, dk [B,kv,T,d], dv [B,kv,T,dv]).
+    dsum = rowsum(dout * out) [B,h,T]; lse the global log-sum-exp; s that key's scores."""
+    kv = k.shape[1]
+    p = torch.exp(s - lse)  # [B, h, T]
+    do = _grouped(dout, kv).float()
+    dp = (do * v.float()[:, :, None]).sum(-1).flatten(1, 2)
+    ds = p * (dp - dsum)  # [B, h, T]
+    dsg = _grouped(ds[..., None], kv)
+    dq = dq + (dsg * k.float()[:, :, None]).flatten(1, 2) * scale
+    dk = (dsg * _grouped(q, kv).float()).sum(2) * scale
+    dv = (_grouped(p[..., None], kv) * do).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _row_dot(a, b):
+    return (a.float() * b.float()).sum(-1)
+
+
+def _causal_fwd(q, k, v, scale: float, backend: str):
+    """-> (out [B,h,T,d] in q's dtype, lse raw (the kernel's layout), aux for the backward)."""
+    if backend == "reference":
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        t = q.shape[2]
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse, None
+    if backend == "cudnn":
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale
+        )
+        return r[0], r[1], r[2:8]  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return r[0], r[1], r[2:8]  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
+
+
+def _causal_bwd(dout, q, k, v, out, lse_raw, aux, scale: float, backend: str):
+    if backend == "reference":
+        t = q.shape[2]
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        p = torch.exp(s - lse_raw[..., None])
+        do = dout.float()
+        dv = p.transpose(-1, -2) @ do
+        ds = p * (do @ v.float().transpose(-1, -2) - _row_dot(dout, out)[..., None])
+        return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, dv
+    cq, ck, mq, mk, seed, offset = aux
+    if backend == "cudnn":  # attn_bias None: an undefined tensor, as autograd passes it
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse_raw, seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse_raw, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale
+    )
+
+
+def _rows(lse_raw: torch.Tensor, shape) -> torch.Tensor:
+    """The kernel's log-sum-exp ([B,h,T], or cuDNN's [B,h,T,1]) as [B,h,T] fp32 (a view where it can)."""
+    b, h, t = shape
+    return lse_raw.reshape(b, h, -1)[..., :t].float()
+
+
+class _TTTFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, scale, backend, k0, v0, *rest):
+        h, d = q.shape[1], q.shape[3]
+        kv, dv = k0.shape[1], v0.shape[-1]
+        rep = h // kv
+        k0e = k0.repeat_interleave(rep, 1) if rep > 1 else k0
+        v0e = v0.repeat_interleave(rep, 1) if rep > 1 else v0
+        v0e = F.pad(v0e, (0, d - dv)) if dv < d else v0e  # one head dim for the kernel
+        out_c, lse_raw, aux = _causal_fwd(q, k0e, v0e, scale, backend)
+        lse = _rows(lse_raw, q.shape[:3])
+        out_k, scores = out_c, []  # out_k: the output in the kernel's layout, value dims padded with zeros
+        if rest:  # step 0 has no diagonal keys: the causal output is the answer
+            acc, absorb = out_c[..., :dv].float(), fused_on(q, _absorb)
+            for j in range(0, len(rest), 2):
+                mark_lengths((q, 2), (acc, 2), (lse, 2), (rest[j], 2), (rest[j + 1], 2))
+                acc, lse, s = absorb(q, acc, lse, rest[j], rest[j + 1], scale)
+                scores.append(s)
+            # written in the kernel's layout (cuDNN's and FlashAttention's are [B, T, h, d] in memory): the
+            # caller's transpose to [B, T, h*d] is then a view, and backward hands the kernel its own output
+            out_k = torch.empty_like(out_c)
+            out_k[..., :dv] = acc
+            if dv < d:
+                out_k[..., dv:] = 0
+        ctx.save_for_backward(q, k0e, v0e, out_k, lse, lse_raw, *scores, *rest)
+        ctx.aux, ctx.scale, ctx.backend, ctx.kv, ctx.n = aux, scale, backend, kv, len(rest) // 2
+        return out_k[..., :dv]
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0e, v0e, out_k, lse, lse_raw, *more = ctx.saved_tensors
+        n, scale = ctx.n, ctx.scale
+        scores, rest = more[:n], more[n:]
+        b, h, t, d = q.shape
+        dv_dim = dout.shape[-1]
+        out = out_k[..., :dv_dim]
+        # the causal block against the global softmax: the merged output and L, dO in the layout of O
+        # (cuDNN wants it so; the caller's reshape gives it so already, then nothing is copied)
+        if dv_dim == d and dout.stride() == out_k.stride():
+            dout_k = dout
+        else:
+            dout_k = torch.empty_like(out_k)
+            dout_k[..., :dv_dim] = dout
+            if dv_dim < d:
+                dout_k[..., dv_dim:] = 0
+        lse_g = lse_raw
+        if n:
+            lse_g = lse_raw.clone(memory_format=torch.contiguous_format)
+            lse_g.reshape(b, h, -1)[..., :t] = lse
+        dq_c, dk0, dv0 = _causal_bwd(dout_k, q, k0e, v0e, out_k, lse_g, ctx.aux, scale, ctx.backend)
+        drest = []
+        if n:
+            dout = dout_k[..., :dv_dim]
+            dsum = fused_on(q, _row_dot)(dout, out)
+            grad = fused_on(q, _diag_grad)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            for j in range(n):
+                k, v = rest[2 * j], rest[2 * j + 1]
+                mark_lengths((q, 2), (dout, 2), (dsum, 2), (lse, 2), (scores[j], 2), (k, 2), (v, 2), (dq, 2))
+                dq, dk, dvj = grad(q, dout, dsum, lse, scores[j], k, v, scale, dq)
+                drest += [dk, dvj]
+            dq_c = dq_c.add_(dq) if dq_c.dtype == q.dtype else (dq_c.float() + dq).to(q.dtype)
+        dv0 = dv0[..., :dv_dim]
+        if h != ctx.kv:
+            dk0 = dk0.view(b, ctx.kv, h // ctx.kv, t, d).sum(2)
+            dv0 = dv0.reshape(b, ctx.kv, h // ctx.kv, t, dv_dim).sum(2)
+        return (dq_c.to(q.dtype), None, None, dk0.to(q.dtype), dv0.to(q.dtype), *drest)
+
+
+def ttt_attention(q: torch.Tensor, cache: list, scale: float, backend: str = "flash") -> torch.Tensor:
+    """q [B, h, T, d]; cache [(k0, v0), (k1, v1), ...]: the step-0 prefix (T keys, causal) then one key
+    per query for each earlier draft step. -> [B, h, T, dv], the TTT-masked attention. backend: "flash"
+    (FlashAttention-2), "cudnn" (cuDNN's fused attention) or "reference"; CPU tensors take the reference."""
+    if backend not in BACKENDS:
+        raise ValueError(f"flash TTT attention backend {backend!r}: allowed {', '.join(BACKENDS)}")
+    flat = [x for kv in cache[1:] for x in kv]
+    return _TTTFlash.apply(q, scale, backend if q.is_cuda else "reference", cache[0][0], cache[0][1], *flat)

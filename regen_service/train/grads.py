@@ -1,0 +1,114 @@
+"""fp32 weight gradients accumulated where they are made: one flat buffer, written by the matrix products.
+
+The draft's layer runs once per TTT step, so each of its weights is used 7 times a step. Through plain
+autograd each weight kept a bf16 `.grad`, every later use added its part in bf16 (a pass over the
+gradient per use, rounding at each), and the optimizer then cast the sum to fp32: at Kimi-K2.5 draft
+shapes ~10 ms a step of passes over ~1.1B gradient entries, and 7 bf16 roundings. Here every trainable
+parameter has `main_grad`, an fp32 view into one flat buffer this module owns, and the linears
+(linear.py) and the head loss (loss.py) accumulate their weight gradients into it inside the GEMM:
+cuBLAS with fp32 output and beta=1 (aten's addmm.dtype_out, CUDA, torch >= 2.8; the CPU adds an fp32
+product). A step's first write to a weight overwrites (beta=0), so nothing zeroes the buffer. What goes
+through plain autograd (the norms' weights) is folded in by `finish`, after the deferred fix-ups the
+linears registered (linear.py's embedding-half gradient). The flat buffer is then the fp32 masters'
+`.grad` as it stands (optim.py): one norm, one all-reduce across ranks, read by the fused AdamW in place.
+Megatron-LM calls this gradient-accumulation fusion. Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# aten's mixed-precision GEMM into an fp32 output (CUDA kernels only)
+ADDMM_FP32_OUT = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool) -> None:
+    """out (fp32) = a @ b (overwrite) or out += a @ b, the product accumulated in fp32."""
+    if out.is_cuda and a.dtype != torch.float32 and ADDMM_FP32_OUT:
+        torch.ops.aten.addmm.dtype_out(out, a, b, torch.float32, beta=0 if overwrite else 1, out=out)
+    elif overwrite:
+        torch.mm(a.float(), b.float(), out=out)
+    else:
+        out.addmm_(a.float(), b.float())
+
+
+class GradBuffer:
+    """The fp32 gradients of `params` (the trainable ones), as `p.main_grad` views into `self.flat`.
+    A step: `begin()`, forward and backward (linear.py, loss.py write through `mm` and `add`), `finish()`;
+    then `self.flat` holds every gradient."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = [p for p in params if p.requires_grad]
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=dev)
+        offset = 0
+        for p in self.params:
+            p.main_grad = self.flat[offset : offset + p.numel()].view(p.shape)
+            p.grad_buffer = self
+            offset += p.numel()
+        self._written: set[int] = set()
+        self._deferred: dict[object, Callable[[], None]] = {}
+
+    def begin(self) -> None:
+        """A new step: every parameter's next write overwrites; pending fix-ups and stray `.grad`s (a
+        forward and backward that never reached `finish`, such as the memory probe's) are dropped."""
+        self._written.clear()
+        self._deferred.clear()
+        for p in self.params:
+            p.grad = None
+
+    def _first(self, p: torch.nn.Parameter) -> bool:
+        first = id(p) not in self._written
+        self._written.add(id(p))
+        return first
+
+    def mm(self, p: torch.nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
+        """p.main_grad += a @ b (the first write of a step overwrites)."""
+        mm_into(p.main_grad, a, b, self._first(p))
+
+    def add(self, p: torch.nn.Parameter, g: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """p.main_grad += g (* scale, a 0-dim tensor: the incoming gradient of a scalar loss)."""
+        main = p.main_grad
+        first = self._first(p)
+        if scale is None:
+            main.copy_(g) if first else main.add_(g)
+        elif first:
+            torch.mul(g, scale, out=main)
+        else:
+            main.addcmul_(g, scale)
+
+    def defer(self, key: object, fn: Callable[[], None]) -> None:
+        """Run fn once in `finish`, before autograd's gradients are folded in (one entry per key a step)."""
+        self._deferred.setdefault(key, fn)
+
+    def finish(self) -> None:
+        """After backward: the deferred fix-ups, then each parameter's autograd `.grad` (if any) folded into
+        its main_grad and cleared; a parameter nothing wrote this step gets zeros."""
+        for fn in self._deferred.values():
+            fn()
+        self._deferred.clear()
+        for p in self.params:
+            if p.grad is not None:
+                self.add(p, p.grad)
+                p.grad = None
+            elif id(p) not in self._written:
+                p.main_grad.zero_()
+        self._written.clear()  # the step's gradients are whole: the next write starts the next step
+
+    def all_reduce_mean(self, world_size: int) -> None:
+        """The mean over ranks, in place: one collective over the flat buffer (what DDP's buckets did)."""
+        if world_size > 1:
+            dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+            self.flat.div_(world_size)
+
+    def norm(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.flat)
+
+
+def owner(w: torch.Tensor) -> GradBuffer | None:
+    """The buffer a parameter's gradient goes to, when autograd records (None: plain autograd)."""
+    buf = getattr(w, "grad_buffer", None)
+    return buf if buf is not None and w.requires_grad and torch.is_grad_enabled() else None

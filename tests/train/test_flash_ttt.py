@@ -1,0 +1,90 @@
+"""The flash TTT attention (flash_ttt.py): the causal part plus the diagonal keys merged by log-sum-exp.
+
+On the CPU the causal part runs the module's plain-torch reference by the FlashAttention-2 formulas
+(forward: out and the rows' log-sum-exp; backward: called with the merged output and the global
+log-sum-exp, as the CUDA kernel is), so these tests hold the merge and its hand-written backward to
+the eager attention's autograd. The CUDA kernel itself is held to the eager reference by
+`scripts/bench_train.py --mode numerics` on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from regen_service.draft.config import DraftConfig
+from regen_service.train import flash_ttt
+from regen_service.train.layers import eager_attention
+from regen_service.train.model import Eagle3Draft
+from regen_service.train.trainer import choose_attention
+from regen_service.train.ttt import ttt_loss
+
+
+def _cache(g, kv, t, d, dv, segments):
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+
+    return [(r(2, kv, t, d), r(2, kv, t, dv)) for _ in range(segments)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "d", "dv", "t", "steps"),
+    [
+        (4, 4, 16, 16, 10, 1),
+        (4, 4, 16, 16, 10, 4),
+        (4, 2, 16, 16, 9, 3),
+        (4, 4, 24, 16, 7, 7),
+        (8, 2, 24, 16, 12, 5),
+    ],
+)
+def test_forward_and_every_gradient_match_eager(heads, kv, d, dv, t, steps):
+    """GQA (kv < heads) and the MLA draft's narrower values (dv < d, padded for the kernel) included."""
+    g = torch.Generator().manual_seed(heads * 100 + steps)
+    q = torch.randn(2, heads, t, d, generator=g, dtype=torch.float64).requires_grad_()
+    cache = _cache(g, kv, t, d, dv, steps)
+    leaves = [q] + [x for pair in cache for x in pair]
+    scale = d**-0.5
+    ref = eager_attention(q, cache, scale)
+    probe = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((ref * probe).sum(), leaves)
+    out = flash_ttt.ttt_attention(q, cache, scale, backend="reference")
+    got = torch.autograd.grad((out * probe).sum(), leaves)
+    # the merge computes in fp32 (as on the GPU): fp32-level agreement with the float64 reference
+    assert float((out - ref).abs().max()) < 1e-5
+    for a, b in zip(got, want, strict=True):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_the_draft_trains_the_same_loss_and_gradients_with_flash_as_with_eager():
+    torch.manual_seed(0)
+    ref = Eagle3Draft(DraftConfig(32, 64, 4, 2, 8, 1e-5, 10000.0, 512, 300, 50, 32))
+    t2d = torch.zeros(300, dtype=torch.bool)
+    t2d[:50] = True
+    ref.set_vocab(torch.zeros(50, dtype=torch.int64), t2d)
+    new = Eagle3Draft(ref.config)
+    new.load_state_dict(ref.state_dict())
+    new.set_attention("flash")
+    g = torch.Generator().manual_seed(1)
+    aux, ids = torch.randn(2, 20, 96, generator=g), torch.randint(0, 60, (2, 20), generator=g)
+    mask = (torch.rand(2, 20, generator=g) > 0.2).long()
+    la, _ = ttt_loss(ref, aux, ids, ids, mask, 5)
+    lb, _ = ttt_loss(new, aux, ids, ids, mask, 5)
+    la.backward()
+    lb.backward()
+    assert abs(float(la) - float(lb)) <= 1e-5 * abs(float(la))
+    for (name, p), (_, p2) in zip(ref.named_parameters(), new.named_parameters(), strict=True):
+        if p.grad is not None:
+            assert torch.allclose(p.grad, p2.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_auto_takes_flash_only_where_the_kernel_runs_and_an_impossible_choice_says_what_can():
+    cpu = torch.device("cpu")
+    assert choose_attention("auto", torch.float32, 128, cpu) == "eager"
+    assert choose_attention("eager", torch.float32, 128, cpu) == "eager"
+    assert flash_ttt.supported(torch.bfloat16, 192, torch.device("cuda"))  # the MLA draft's qk head dim
+    assert not flash_ttt.supported(torch.float32, 128, torch.device("cuda"))
+    assert not flash_ttt.supported(torch.bfloat16, 320, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"attention flash: needs CUDA.*allowed here: eager"):
+        choose_attention("flash", torch.float32, 128, cpu)
+    with pytest.raises(ValueError, match=r"attention flex: needs CUDA.*allowed here: eager"):
+        choose_attention("flex", torch.float32, 128, cpu)
