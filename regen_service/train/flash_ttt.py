@@ -34,13 +34,23 @@ BACKENDS = ("flash", "cudnn", "reference")
 MAX_HEAD_DIM = {"flash": 256, "cudnn": 128}  # FlashAttention-2's largest head dim; cuDNN's taken here
 
 
-def supported(dtype: torch.dtype, qk_head_dim: int, device: torch.device, backend: str = "flash") -> bool:
-    """Whether this backend trains here: CUDA, half precision, a head dim its kernel takes."""
+def takes(dtype: torch.dtype, qk_head_dim: int, backend: str = "flash") -> bool:
+    """Whether the backend's kernel takes these parameters: half precision, a head dim it has."""
     return (
-        device.type == "cuda"
-        and dtype in (torch.bfloat16, torch.float16)
+        dtype in (torch.bfloat16, torch.float16)
         and qk_head_dim <= MAX_HEAD_DIM[backend]
         and qk_head_dim % 8 == 0
+    )
+
+
+def supported(dtype: torch.dtype, qk_head_dim: int, device: torch.device, backend: str = "flash") -> bool:
+    """Whether this backend trains here: a CUDA GPU of Ampere or later (both fused kernels need sm80+)
+    and parameters its kernel takes."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and takes(dtype, qk_head_dim, backend)
     )
 
 

@@ -21,7 +21,9 @@ HEAD_CHUNK_ELEMS = 1 << 27
 
 def _chunk_rows(n: int, width: int) -> int:
     most = max(1, HEAD_CHUNK_ELEMS // width)
-    return -(-n // -(-n // most))  # n split into ceil(n / most) chunks of equal size (the last smaller)
+    return (
+        -(-n // -(-n // most)) if n else most
+    )  # n split into ceil(n / most) chunks of equal size (the last smaller)
 
 
 def final_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -81,9 +81,12 @@ def test_auto_takes_flash_only_where_the_kernel_runs_and_an_impossible_choice_sa
     cpu = torch.device("cpu")
     assert choose_attention("auto", torch.float32, 128, cpu) == "eager"
     assert choose_attention("eager", torch.float32, 128, cpu) == "eager"
-    assert flash_ttt.supported(torch.bfloat16, 192, torch.device("cuda"))  # the MLA draft's qk head dim
-    assert not flash_ttt.supported(torch.float32, 128, torch.device("cuda"))
-    assert not flash_ttt.supported(torch.bfloat16, 320, torch.device("cuda"))
+    assert flash_ttt.takes(torch.bfloat16, 192)  # the MLA draft's qk head dim
+    assert not flash_ttt.takes(torch.bfloat16, 192, "cudnn")  # cuDNN's limit here: 128
+    assert not flash_ttt.takes(torch.float32, 128)
+    assert not flash_ttt.takes(torch.bfloat16, 320)
+    if not torch.cuda.is_available():  # no GPU: no fused path, whatever the shapes
+        assert not flash_ttt.supported(torch.bfloat16, 128, torch.device("cuda"))
     with pytest.raises(ValueError, match=r"attention flash: needs CUDA.*allowed here: eager"):
         choose_attention("flash", torch.float32, 128, cpu)
     with pytest.raises(ValueError, match=r"attention flex: needs CUDA.*allowed here: eager"):
