@@ -102,11 +102,11 @@ def draft_step(tr: DraftTrainer, c: DraftConfig, b: int, t: int, whole: bool, so
 def measure(tr: DraftTrainer, c: DraftConfig, batch: int, pairs: list[tuple[int, str]], steps: int,
             soft: bool, base: dict, age=None, profile_dir=None) -> list[dict]:  # fmt: skip
     """One record per (seq, "whole"|"draft") in `pairs`, in order: warm-up (3 steps, the first timed on its
-        own: it compiles; the fit check's time and compiles before it, apart) then `steps` timed steps, and with
+    own: it compiles; the fit check's time and compiles before it, apart) then `steps` timed steps, and with
     `profile_dir` 3 more of each whole step under torch.profiler (bench/profile.py: GPU time by kind of
-    kernel and by op). A pair whose step cannot fit gives a record with `error`
-        and `largest_fitting_seq` (the fit check's LengthDoesNotFitError) and the rest still run. `age()`:
-        seconds since the process started, or None."""
+    kernel and by op). A pair whose step cannot fit gives a record with `error` and `largest_fitting_seq`
+    (the fit check's LengthDoesNotFitError) and the rest still run. `age()`: seconds since the process
+    started, or None."""
     cuda = tr.ctx.device.type == "cuda"
     out = []
     for t, kind in pairs:

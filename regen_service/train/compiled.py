@@ -2,8 +2,8 @@
 
 The trainer compiles a few small functions on CUDA (the RMSNorm, the rotary, the SwiGLU, the layer
 input's scaled concatenation, the loss's chunk math, the TTT diagonal merge, flex attention and its
-block masks) and leaves the matmuls to cuBLAS and the causal attention to cuDNN or FlashAttention. Each is compiled
-through `compiled(fn)`, so how they are compiled is chosen in one place:
+block masks) and leaves the matmuls to cuBLAS and the causal attention to cuDNN or FlashAttention.
+Each is compiled through `compiled(fn)`, so how they are compiled is chosen in one place:
 
 - `dynamic="auto"` (torch's `dynamic=None`): the first call compiles for its exact shapes; the first
   call at another sequence length compiles again with that dimension symbolic ("automatic dynamic").
@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
-CompileDynamic = Literal["auto", "lengths"]
 COMPILE_DYNAMIC: tuple[str, ...] = ("auto", "lengths")
 _policy: dict[str, str] = {"dynamic": "lengths"}
 
@@ -38,10 +36,6 @@ def set_dynamic(mode: str) -> None:
     if mode not in COMPILE_DYNAMIC:
         raise ValueError(f"compile dynamic {mode!r}: allowed {', '.join(COMPILE_DYNAMIC)}")
     _policy["dynamic"] = mode
-
-
-def dynamic_mode() -> str:
-    return _policy["dynamic"]
 
 
 @functools.cache

@@ -134,6 +134,16 @@ def _rows(lse_raw: torch.Tensor, shape) -> torch.Tensor:
     return lse_raw.reshape(b, h, -1)[..., :t].float()
 
 
+def _in_layout(like: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """src in `like`'s strides and dtype (the kernel's layout), its value dims zero-padded to like's."""
+    out = torch.empty_like(like)
+    dv = src.shape[-1]
+    out[..., :dv] = src
+    if dv < like.shape[-1]:
+        out[..., dv:] = 0
+    return out
+
+
 class _TTTFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, backend, k0, v0, *rest):
@@ -154,10 +164,7 @@ class _TTTFlash(torch.autograd.Function):
                 scores.append(s)
             # written in the kernel's layout (cuDNN's and FlashAttention's are [B, T, h, d] in memory): the
             # caller's transpose to [B, T, h*d] is then a view, and backward hands the kernel its own output
-            out_k = torch.empty_like(out_c)
-            out_k[..., :dv] = acc
-            if dv < d:
-                out_k[..., dv:] = 0
+            out_k = _in_layout(out_c, acc)
         ctx.save_for_backward(q, k0e, v0e, out_k, lse, lse_raw, *scores, *rest)
         ctx.aux, ctx.scale, ctx.backend, ctx.kv, ctx.n = aux, scale, backend, kv, len(rest) // 2
         return out_k[..., :dv]
@@ -172,13 +179,8 @@ class _TTTFlash(torch.autograd.Function):
         out = out_k[..., :dv_dim]
         # the causal block against the global softmax: the merged output and L, dO in the layout of O
         # (cuDNN wants it so; the caller's reshape gives it so already, then nothing is copied)
-        if dv_dim == d and dout.stride() == out_k.stride():
-            dout_k = dout
-        else:
-            dout_k = torch.empty_like(out_k)
-            dout_k[..., :dv_dim] = dout
-            if dv_dim < d:
-                dout_k[..., dv_dim:] = 0
+        same = dv_dim == d and dout.stride() == out_k.stride()
+        dout_k = dout if same else _in_layout(out_k, dout)
         lse_g = lse_raw
         if n:
             lse_g = lse_raw.clone(memory_format=torch.contiguous_format)

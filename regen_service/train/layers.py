@@ -33,37 +33,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one rank for the compiled norm: it meets [B, T, H] (a TTT step), [steps, B, T, H] (the loss's
-        # stacked steps) and [N, H] (eval heads); each rank was its own compiled entry and together they
-        # hit dynamo's recompile limit (8), after which the norm ran uncompiled. Flattened, one entry
-        # serves them all (a view: these inputs are contiguous). Its row count is dynamic from the first
-        # call: every sequence length gives another, and a static first entry would be one more compile
-        # per grad mode (a norm over static H loses nothing to a dynamic row count).
-        flat = x.reshape(-1, x.shape[-1])
-        fn = fused_on(x, _rms_norm)
-        if fn is not _rms_norm:
-            torch._dynamo.maybe_mark_dynamic(flat, 0)
-        return fn(flat, self.weight, self.eps).view(x.shape)
+        return _on_rows(x, _rms_norm, self.weight, self.eps)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         """x normalized, in its dtype, before the weight multiplies it: forward(x) == weight * normalized(x)
         (linear.NormedPair keeps the two apart). For inputs that need no gradient (the embedding)."""
-        flat = x.reshape(-1, x.shape[-1])
-        fn = fused_on(x, _normalize)
-        if fn is not _normalize:
-            torch._dynamo.maybe_mark_dynamic(flat, 0)
-        return fn(flat, self.eps).view(x.shape)
+        return _on_rows(x, _normalize, self.eps)
+
+
+def _on_rows(x: torch.Tensor, fn, *args) -> torch.Tensor:
+    # one rank for the compiled norm: it meets [B, T, H] (a TTT step), [steps, B, T, H] (the loss's
+    # stacked steps) and [N, H] (eval heads); each rank was its own compiled entry and together they
+    # hit dynamo's recompile limit (8), after which the norm ran uncompiled. Flattened, one entry
+    # serves them all (a view: these inputs are contiguous). Its row count is dynamic from the first
+    # call: every sequence length gives another, and a static first entry would be one more compile
+    # per grad mode (a norm over static H loses nothing to a dynamic row count).
+    flat = x.reshape(-1, x.shape[-1])
+    run = fused_on(x, fn)
+    if run is not fn:
+        torch._dynamo.maybe_mark_dynamic(flat, 0)
+    return run(flat, *args).view(x.shape)
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * _normalize(x, eps)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ from regen_service.train.grads import GradBuffer
 from regen_service.train.memory_probe import StepProbe
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.ttt import ttt_loss
-
-V, N = 300, 70
+from tests.train.test_fast import N_DRAFT as N
+from tests.train.test_fast import N_VOCAB as V
+from tests.train.test_fast import _batch  # the same vocabulary and aux width (96 = 3 x 32)
 
 
 def _config(arch: str) -> DraftConfig:
@@ -45,14 +46,6 @@ def _draft(arch: str) -> Eagle3Draft:
     return d
 
 
-def _batch(b=2, t=20, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (b, t), generator=g)
-    mask = (torch.rand(b, t, generator=g) > 0.2).long()
-    probs = torch.softmax(torch.randn(b, t, N, generator=g) * 2, -1)
-    return torch.randn(b, t, 96, generator=g), ids, mask, probs
-
-
 def _trainer(c: DraftConfig, lr=1e-4):
     torch.manual_seed(0)  # make_trainer draws the embedding before the trainer seeds itself
     return make_trainer(c, 3, DistContext(device=torch.device("cpu")), lr=lr)
@@ -68,7 +61,7 @@ def test_every_buffer_gradient_equals_plain_autograd(arch, soft):
     ref = _draft(arch)
     new = copy.deepcopy(ref)
     buf = GradBuffer(list(new.parameters()))
-    aux, ids, mask, probs = _batch()
+    aux, ids, mask, probs = _batch(t=20)
     tids = ids.roll(-1, 1)
     kw = {"target_probs": probs} if soft else {}
     l0, _ = ttt_loss(ref, aux, ids, tids, mask, 4, **kw)
@@ -93,7 +86,7 @@ def test_every_buffer_gradient_equals_plain_autograd(arch, soft):
 def test_a_probe_between_steps_leaves_the_next_steps_gradients_whole():
     c = DraftConfig(32, 64, 4, 2, 8, 1e-5, 10000.0, 512, V, N, 32)
     a, b = _trainer(c), _trainer(c)
-    aux, ids, mask, probs = _batch()
+    aux, ids, mask, probs = _batch(t=20)
     StepProbe(b, 2, True, torch.float32).run(16)  # forward and backward, never finished
     ga, gb = ({}, {})
     for tr, out in ((a, ga), (b, gb)):
@@ -116,7 +109,7 @@ def test_one_step_equals_autograd_clip_and_adamw_and_the_fused_clip_agrees():
     fused.fused_opt = True
     ref = Eagle3Draft(c)
     ref.load_state_dict(tr.draft.state_dict())
-    aux, ids, mask, probs = _batch()
+    aux, ids, mask, probs = _batch(t=20)
     aux = aux * 40  # a gradient norm above the clip (0.5)
     loss, _ = ttt_loss(ref, aux, ids, ids, mask, 3, target_probs=probs)
     loss.backward()
