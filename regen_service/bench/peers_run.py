@@ -100,14 +100,17 @@ def commands(plan, repo: Path, peers_dir: Path | None, steps: int, peer_pythonpa
             base = [sys.executable, str(peers_dir / "bench_peers.py"), "--seq", str(t), "--max-pos", str(t),
                     "--steps", str(steps)]  # fmt: skip
             env = {"P3_SHAPES": PEER_SHAPES[shapes]}
+            # SpecForge compiles flex attention for the length before its first step: at 16K that alone
+            # passed 177 s on an H200 (2026-12-02), so long sequences get a longer cap
+            cap = 240 if t <= 8192 else 480
             tags = {"shapes": shapes}
             if (peers_dir / "sf" / "specforge").exists():
                 argv = [*base, "--impl", "specforge", "--backend", "flex_attention"]
-                procs.append(Proc(f"specforge-{shapes}-{t}", argv, env, 240, tags))
+                procs.append(Proc(f"specforge-{shapes}-{t}", argv, env, cap, tags))
             if (peers_dir / "spec" / "src" / "speculators").exists():
                 pp = {"PYTHONPATH": peer_pythonpath} if peer_pythonpath else {}
                 procs.append(
-                    Proc(f"speculators-{shapes}-{t}", [*base, "--impl", "speculators"], env | pp, 240, tags)
+                    Proc(f"speculators-{shapes}-{t}", [*base, "--impl", "speculators"], env | pp, cap, tags)
                 )
     return procs
 

@@ -42,6 +42,9 @@ def test_the_layout_links_the_checkouts_beside_the_peer_benchmark(tmp_path):
     assert procs[0].argv[-6:] == ["--seq", "2048,8192", "--step", "whole,draft", "--steps", "4"]
     assert procs[1].env["P3_SHAPES"] == peers_run.PEER_SHAPES["kimi"] and "flex_attention" in procs[1].argv
     assert procs[2].env["PYTHONPATH"] == "/tmp/site"
+    # SpecForge's flex compile at 16K alone passed 177 s on an H200: long lengths get the longer cap
+    long = peers_run.commands([("kimi", [16384])], ROOT, d, 4)
+    assert [p.cap_s for p in long[1:]] == [480, 480] and {p.cap_s for p in procs[1:]} == {240}
     with pytest.raises(FileNotFoundError, match="no specforge/ package"):
         peers_run.layout(tmp_path / "o2", bp, tmp_path / "speculators", None)
 
