@@ -46,7 +46,9 @@ from regen_service.bench.train_flops import PEAK_BF16, draft_shapes, model_flops
 from regen_service.bench.train_step import make_trainer, timed, train_cfg
 from regen_service.draft.checkpoint import save_checkpoint
 from regen_service.draft.config import DraftConfig
+from regen_service.train.compiled import COMPILE_DYNAMIC
 from regen_service.train.dist import init_distributed, shutdown
+from regen_service.train.trainer import AUTO_ORDER
 
 __all__ = ["draft_shapes", "init_distributed", "make_trainer", "model_flops", "timed"]  # regen_shapes.py's
 
@@ -258,7 +260,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default 10; varlen 200")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
-    p.add_argument("--attention", choices=("auto", "cudnn", "flash", "flex", "eager"), default="auto")
+    p.add_argument("--attention", choices=("auto", *AUTO_ORDER), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--step", default="whole", help="whole | draft (draft mode: comma-separated, each length)")
     p.add_argument("--lengths-from", default=None, help="varlen: a run's outputs folder (shard-*.parquet)")
@@ -266,11 +268,13 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=16384, help="varlen: sequences cut here")
     p.add_argument(
         "--compile-dynamic",
-        choices=("lengths", "auto"),
+        choices=COMPILE_DYNAMIC,
         default="lengths",
         help="how the hot functions compile (regen_service/train/compiled.py)",
     )
-    p.add_argument("--profile", default=None, help="draft: a folder; 3 steps per pair under torch.profiler")
+    p.add_argument(
+        "--profile", default=None, help="draft: a folder; 3 more whole steps per length under torch.profiler"
+    )
     a = p.parse_args()
     if a.mode != "draft":
         a.seq = int(a.seq)

@@ -1,7 +1,7 @@
 """Whether a training step at `max_length` fits the GPU, found before the first step runs.
 
 `fit_check(trainer, max_length, batch_size)` measures the trainer's own TTT step (memory_probe.py:
-forward and backward through `trainer.module`, never an optimizer step) at two short lengths and fits
+forward and backward through `trainer.ttt`, never an optimizer step) at two short lengths and fits
 peak = fixed + length x per-position bytes (flex attention never builds T^2 scores: the step grows
 linearly), adds the AdamW moments the first optimizer step allocates, bounds the optimizer step itself
 (inputs still held; the fp32 gradients are held from the start), and compares the peak at `max_length` with what the device

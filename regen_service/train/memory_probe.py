@@ -1,6 +1,6 @@
 """What a training step costs in memory, measured on the trainer's own TTT step (memory.py decides).
 
-`StepProbe(trainer, batch, soft, logits_dtype)` runs `trainer.module` forward and backward on synthetic
+`StepProbe(trainer, batch, soft, logits_dtype)` runs `trainer.ttt` forward and backward on synthetic
 inputs of the real shapes and dtypes (aux states in the parameters' dtype, ids, targets, loss mask,
 the target's draft-vocab logits and their softmax), never an optimizer step: gradients are dropped
 after, parameters untouched, no random number drawn. `cuda_peak(length)` is the CUDA allocator's
@@ -43,7 +43,7 @@ class StepProbe:
         logits = (
             torch.zeros(b, t, c.draft_vocab_size, device=dev, dtype=self.logits_dtype) if self.soft else None
         )
-        module = tr.module
+        module = tr.ttt
         # no collective runs in forward or backward (the gradient all-reduce is the trainer's, after), so a
         # rank that runs out of memory here leaves none of the others waiting
         hooks = (

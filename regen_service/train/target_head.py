@@ -20,10 +20,13 @@ HEAD_CHUNK_ELEMS = 1 << 27
 
 
 def _chunk_rows(n: int, width: int) -> int:
+    """Rows a chunk: n split into ceil(n / most) chunks of equal size (the last smaller, by less than one
+    chunk's count), most the rows HEAD_CHUNK_ELEMS allows at this width."""
     most = max(1, HEAD_CHUNK_ELEMS // width)
-    return (
-        -(-n // -(-n // most)) if n else most
-    )  # n split into ceil(n / most) chunks of equal size (the last smaller)
+    if n == 0:
+        return most
+    chunks = -(-n // most)
+    return -(-n // chunks)
 
 
 def final_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -208,7 +208,6 @@ class DraftTrainer:
         )
         compiled.set_dynamic(getattr(cfg.model, "compile_dynamic", "lengths"))
         self.ttt = TTTModule(self.draft, cfg.optimisation.ttt_length, cfg.optimisation.ttt_decay)
-        self.module = self.ttt
         if ctx.distributed:  # every rank starts from rank 0's weights (DistributedDataParallel did this)
             with torch.no_grad():
                 for p in self.draft.parameters():
@@ -251,14 +250,12 @@ class DraftTrainer:
         """One optimizer step. weight 0 keeps a rank with no data in lockstep without learning from it.
         draft_logits [B,T,N]: the target's logits over the draft vocabulary (soft targets); None = hard.
         tokens: the batch's real tokens (pads excluded) for the throughput figure; None = all of input_ids."""
-        self.module.train()
+        self.ttt.train()
         dev = self.ctx.device
         probs = None if draft_logits is None else self.target_probs(draft_logits)
         grads = self.masters.grads
         grads.begin()
-        loss, metrics = self.module(
-            aux.to(dev), input_ids.to(dev), target_ids.to(dev), loss_mask.to(dev), probs
-        )
+        loss, metrics = self.ttt(aux.to(dev), input_ids.to(dev), target_ids.to(dev), loss_mask.to(dev), probs)
         (loss * weight).backward()
         self.masters.to_masters()
         grads.all_reduce_mean(self.ctx.world)

@@ -100,7 +100,7 @@ def ttt_loss(
 
 
 class TTTModule(torch.nn.Module):
-    """The draft with the TTT loss as its forward, so DistributedDataParallel can wrap it."""
+    """The draft with the TTT loss as its forward (the trainer's module: train() mode, one call a step)."""
 
     def __init__(self, draft: Eagle3Draft, ttt_length: int, decay: float):
         super().__init__()
