@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +54,12 @@ def _train(env, run, target, out: Path, cfg: Path, log: Path, *extra: str):
 def _consumed(out: Path) -> list[tuple[str, int]]:
     ckpt = load_latest(out)
     return [] if ckpt is None else [tuple(k) for k in ckpt["consumed_shards"]]
+
+
+# --standalone: the rendezvous takes a free port, so a torchrun left by an earlier test (or anything else on
+# 29500, torchrun's fixed default) cannot make this one fail to start.
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "-m", "workers.trainer", "--"]  # fmt: skip
 
 
 def _wait(proc, timeout_s: float, log: Path) -> None:
@@ -118,24 +125,12 @@ def test_two_trainers_in_one_group_split_the_run_while_it_lands(settings, settin
 
 def test_torchrun_two_ranks_share_each_shard_and_checkpoint_once(settings, settings_env, tmp_path, tiny):
     """gloo on the CPU: rank 0 reads the stream and broadcasts shards; both ranks train in lockstep."""
-    import sys
-
     target, cfg = tiny
     ledger = register_run(settings, "run-d", num_shards=3, rows_per_shard=9)
     rows = greedy_rows(target, "run-d", 9, new_tokens=16, seed=3)
     for shard in range(3):
         publish_shard(settings, ledger, "run-d", shard, rows)
     out, log = tmp_path / "out", tmp_path / "torchrun.log"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "workers.trainer",
-        "--",
-    ]
     args = [
         "--run",
         "run-d",
@@ -148,7 +143,7 @@ def test_torchrun_two_ranks_share_each_shard_and_checkpoint_once(settings, setti
         "--device",
         "cpu",
     ]
-    proc = spawn([*torchrun, *args], env=settings_env, log=log)
+    proc = spawn([*TORCHRUN_2, *args], env=settings_env, log=log)
     _wait(proc, 180, log)
     summaries = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"steps"')]
     assert len(summaries) == 2 and {s["consumed"] for s in summaries} == {3}

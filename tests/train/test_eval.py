@@ -239,10 +239,9 @@ def test_pruning_keeps_the_best_step_directory(tmp_path):
 def test_torchrun_two_ranks_score_the_same_held_out_set_as_one(settings, settings_env, tmp_path):
     """gloo on the CPU: both ranks hold the same eval set, score their stride shares and all-reduce; the set
     (and so the split) is the one a single process keeps."""
-    import sys
 
     from tests.procs import spawn
-    from tests.train.test_consumer import _train, _wait
+    from tests.train.test_consumer import TORCHRUN_2, _train, _wait
 
     target = make_tiny_target(tmp_path / "target", layers=4, hidden=32, heads=4, kv_heads=2, embed_scale=10.0)
     cfg = tmp_path / "train.yaml"
@@ -257,17 +256,7 @@ def test_torchrun_two_ranks_score_the_same_held_out_set_as_one(settings, setting
         )
     args = ["--run", "run-w", "--target", str(target), "--config", str(cfg), "--device", "cpu"]
     log2 = tmp_path / "torchrun.log"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "workers.trainer",
-        "--",
-    ]
-    _wait(spawn([*torchrun, *args, "--out", str(tmp_path / "out2"), "--group", "g2"], env=settings_env, log=log2),
+    _wait(spawn([*TORCHRUN_2, *args, "--out", str(tmp_path / "out2"), "--group", "g2"], env=settings_env, log=log2),
           240, log2)  # fmt: skip
     log1 = tmp_path / "one.log"
     _wait(_train(settings_env, "run-w", target, tmp_path / "out1", cfg, log1, "--group", "g1"), 240, log1)
