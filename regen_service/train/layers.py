@@ -45,13 +45,19 @@ def _on_rows(x: torch.Tensor, fn, *args) -> torch.Tensor:
     # one rank for the compiled norm: it meets [B, T, H] (a TTT step), [steps, B, T, H] (the loss's
     # stacked steps) and [N, H] (eval heads); each rank was its own compiled entry and together they
     # hit dynamo's recompile limit (8), after which the norm ran uncompiled. Flattened, one entry
-    # serves them all (a view: these inputs are contiguous). Its row count is dynamic from the first
-    # call: every sequence length gives another, and a static first entry would be one more compile
-    # per grad mode (a norm over static H loses nothing to a dynamic row count).
+    # serves them all. Its row count is dynamic from the first call: every sequence length gives
+    # another, and a static first entry would be one more compile per grad mode (a norm over static H
+    # loses nothing to a dynamic row count). The flattening is aten._unsafe_view, the alias autograd does
+    # not track as a view (its gradient is the reshape back): a tracked view reaches dynamo with guards
+    # on its base's shape, whose length is static, so the MLA draft's q_a and c_kv (column slices of one
+    # projection's output) compiled the norm again at every new sequence length and hit the limit.
     flat = x.reshape(-1, x.shape[-1])
     run = fused_on(x, fn)
-    if run is not fn:
-        torch._dynamo.maybe_mark_dynamic(flat, 0)
+    if run is fn:
+        return fn(flat, *args).view(x.shape)
+    if flat._is_view():  # else reshape copied: a tensor of its own
+        flat = torch.ops.aten._unsafe_view(x, flat.shape)
+    torch._dynamo.maybe_mark_dynamic(flat, 0)
     return run(flat, *args).view(x.shape)
 
 

@@ -3,8 +3,8 @@
 The bucket rule's bounds and shape counts; a batch padded further gives the same loss and gradients
 (fp32, eager attention); the target backends never compute a pad position and give it zeros; the
 held-out evaluation does not move with padding; the compiled norm keeps one rank (a handful of dynamo
-entries, not the recompile limit); dynamo's counters read back; the draft built on its device keeps the
-CPU's weights of before.
+entries, not the recompile limit), and the MLA draft's norms compile once per width across lengths;
+dynamo's counters read back; the draft built on its device keeps the CPU's weights of before.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from regen_service.bench import train_step
+from regen_service.draft.config import DraftConfig
 from regen_service.train import data as D
 from regen_service.train import layers
 from regen_service.train.config import TrainConfig
-from regen_service.train.dist import DistContext
+from regen_service.train.dist import DistContext, init_distributed
 from regen_service.train.engine_target import VllmTarget
 from regen_service.train.eval_set import EvalSample
 from regen_service.train.evaluate import evaluate
@@ -226,6 +228,25 @@ def test_compiled_norm_keeps_one_rank_and_the_counters_see_it(monkeypatch):
     assert got.frames == got.graphs and got.seconds > 0
     assert CompileCounts(5, 5, 2.0).since(CompileCounts(2, 2, 0.5)) == CompileCounts(3, 3, 1.5)
     assert CompileCounts(1, 1, 0.12345).as_dict() == {"graphs": 1, "frames": 1, "seconds": 0.123}
+
+
+def test_the_mla_draft_compiles_each_norm_once_across_lengths(monkeypatch):
+    """Its q_a and kv_a norms read the latent projections (c_kv a column slice of kv_a's output); as
+    tracked views they reached dynamo with guards on their base's length and compiled again per length,
+    which with grad modes and the fit check's lengths passed the recompile limit at Kimi shapes."""
+    torch._dynamo.reset()
+    compiled = torch.compile(layers._rms_norm, backend="aot_eager", dynamic=None)  # autograd as on CUDA
+    monkeypatch.setattr(layers, "fused_on", lambda x, fn: compiled if fn is layers._rms_norm else fn)
+    c = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                    head_dim=24, rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=8192,
+                    vocab_size=512, draft_vocab_size=128, target_hidden_size=64, draft_arch="mla",
+                    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    tr = train_step.make_trainer(c, 3, init_distributed("cpu"), attention="eager")
+    before = compile_counts()
+    for t in (40, 57, 23, 130, 88, 301):
+        train_step.draft_step(tr, c, 1, t, True, True)()
+    # one entry per width (hidden 64, q_lora 32, kv_lora 16); tracked views made it 5 here
+    assert compile_counts().since(before).graphs == 3
 
 
 def test_the_draft_built_on_its_device_keeps_the_cpu_weights_and_logs_real_tokens():
