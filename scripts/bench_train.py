@@ -258,7 +258,8 @@ def main() -> None:
     p.add_argument("--seq", default="2048", help="draft: comma-separated lengths, measured in one process")
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--steps", type=int, default=None, help="default 10; varlen 200")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"),
+                   help="ddp: the folder rank 0 writes its checkpoint to (results go to stdout)")  # fmt: skip
     p.add_argument("--target", choices=("soft", "hard"), default="soft")
     p.add_argument("--attention", choices=("auto", *AUTO_ORDER), default="auto")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")

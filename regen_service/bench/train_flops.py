@@ -6,8 +6,9 @@ scripts/bench_train.py reports its draft step with these, and a summary of the p
 draft's forward and backward (`model_flops`) plus the target's LM head over the last hidden state,
 forward only (`target_head_flops`): regen and SpecForge project through the full vocabulary and keep the
 draft columns, speculators through a head already cut to the draft vocabulary (its verifier_lm_head is
-[draft_vocab, H]), so each is counted by the head it multiplies. Plain arithmetic on a DraftConfig: no
-torch, so it imports anywhere.
+[draft_vocab, H]), so each is counted by the head it multiplies; speculators' draft lm_head is frozen, so
+its step is counted without that head's weight gradient. Plain arithmetic on a DraftConfig: no torch, so
+it imports anywhere.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def _attn_proj_flops(c: DraftConfig) -> tuple[float, int, int]:
     return 2 * 2 * h * (nh + 2 * nkv) * hd + 2 * nh * hd * h, nh * hd, nh * hd
 
 
-def model_flops(c: DraftConfig, t: int, ttt: int) -> float:
-    """The draft's training FLOPs per sequence (fwd + bwd = 3x fwd); attention scores counted causal (T^2/2)."""
+def model_flops(c: DraftConfig, t: int, ttt: int, head_trained: bool = True) -> float:
+    """The draft's training FLOPs per sequence (fwd + bwd = 3x fwd); attention scores counted causal (T^2/2).
+    head_trained=False: a frozen draft lm_head (speculators') makes no weight gradient, so its head counts
+    2x its forward (the forward and the input gradient), not 3x."""
     h, i = c.hidden_size, c.intermediate_size
     proj_tok, qk, v = _attn_proj_flops(c)
     fwd = 2 * t * 3 * c.target_hidden_size * h  # fc
@@ -48,9 +51,9 @@ def model_flops(c: DraftConfig, t: int, ttt: int) -> float:
         proj = t * proj_tok
         attn = 2 * (qk + v) * (t * t / 2 + t * step)  # QK^T and PV over prefix + own earlier steps
         mlp = 3 * 2 * t * h * i
-        head = 2 * t * h * c.draft_vocab_size
-        fwd += proj + attn + mlp + head
-    return 3 * fwd
+        fwd += proj + attn + mlp
+    head = ttt * 2 * t * h * c.draft_vocab_size
+    return 3 * fwd + (3 if head_trained else 2) * head
 
 
 def target_head_flops(c: DraftConfig, t: int, width: int | None = None) -> float:
@@ -64,11 +67,12 @@ def _tflop(flops: float) -> float:
 
 
 def step_figures(
-    c: DraftConfig, t: int, ttt: int, batch: int, step_s: float, head_width: int | None = None, whole=True
-) -> dict:
+    c: DraftConfig, t: int, ttt: int, batch: int, step_s: float, head_width: int | None = None, whole=True,
+    head_trained: bool = True,
+) -> dict:  # fmt: skip
     """The FLOP split of one step of `batch` sequences and its MFU from the total. whole=False: the
     draft's step alone (the target's draft-vocab logits handed in), as bench_train.py's `--step draft`."""
-    draft = model_flops(c, t, ttt) * batch
+    draft = model_flops(c, t, ttt, head_trained) * batch
     head = target_head_flops(c, t, head_width) * batch if whole else 0.0
     total = draft + head
     return {
@@ -83,9 +87,13 @@ def step_figures(
 def peer_step_figures(line: dict, shapes: str = LLAMA_8B_SHAPES) -> dict:
     """A bench_peers.py result line (impl, batch, seq, ttt, step_s) at `shapes` (its P3_SHAPES:
     "H,heads,kv_heads,intermediate,target_vocab,draft_vocab") -> step_figures under the whole-step
-    formula, the head counted at the width that peer multiplies (PEER_HEAD)."""
+    formula, the target head counted at the width that peer multiplies (PEER_HEAD) and the draft's
+    lm_head without a weight gradient where the line says it is frozen (speculators' `lm_head_trained`:
+    false; its model.py sets lm_head.weight.requires_grad = False, vllm-project/speculators c05b95b)."""
     if line.get("impl") not in PEER_HEAD:  # regen's own lines carry their split (bench_train.py --step)
         raise ValueError(f"not a peer's line: impl {line.get('impl')!r}, not one of {sorted(PEER_HEAD)}")
     c = draft_shapes(*(int(x) for x in shapes.split(",")))
     width = c.draft_vocab_size if PEER_HEAD[line["impl"]] == "draft" else c.vocab_size
-    return step_figures(c, line["seq"], line["ttt"], line["batch"], line["step_s"], head_width=width)
+    trained = bool(line.get("lm_head_trained", True))  # SpecForge's lines carry none: it trains lm_head
+    return step_figures(c, line["seq"], line["ttt"], line["batch"], line["step_s"], head_width=width,
+                        head_trained=trained)  # fmt: skip

@@ -104,6 +104,11 @@ def test_peer_lines_are_recounted_with_the_head_each_one_multiplies():
     assert f_sf["target_head_tflop_per_step"] == pytest.approx(2 * 2048 * 7168 * 163840 / 1e12, rel=1e-4)
     assert f_sp["target_head_tflop_per_step"] == pytest.approx(2 * 2048 * 7168 * 32000 / 1e12, rel=1e-4)
     assert f_sf["mfu_vs_989"] > sf["mfu_vs_989"] and f_sp["mfu_vs_989"] > sp["mfu_vs_989"]
+    # speculators' line says its lm_head is frozen: no weight gradient for it, 7 x 2 T H N FLOPs fewer
+    frozen = peer_step_figures({**sp, "lm_head_trained": False}, KIMI_PEERS)
+    head_dw = 7 * 2 * 2048 * 7168 * 32000 / 1e12
+    assert frozen["draft_tflop_per_step"] == pytest.approx(87.92 - head_dw, abs=0.01)
+    assert frozen["mfu_vs_989"] < f_sp["mfu_vs_989"]
     llama = peer_step_figures(sf)  # the default shapes: Llama-3.1-8B's
     with pytest.raises(ValueError, match="not a peer's line"):
         peer_step_figures({**sf, "impl": "regen"})
