@@ -239,7 +239,6 @@ def test_pruning_keeps_the_best_step_directory(tmp_path):
 def test_torchrun_two_ranks_score_the_same_held_out_set_as_one(settings, settings_env, tmp_path):
     """gloo on the CPU: both ranks hold the same eval set, score their stride shares and all-reduce; the set
     (and so the split) is the one a single process keeps."""
-
     from tests.procs import spawn
     from tests.train.test_consumer import TORCHRUN_2, _train, _wait
 

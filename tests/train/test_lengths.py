@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from regen_service.bench import train_step
-from regen_service.draft.config import DraftConfig
 from regen_service.train import data as D
 from regen_service.train import layers
 from regen_service.train.config import TrainConfig
@@ -29,6 +28,7 @@ from regen_service.train.model import Eagle3Draft
 from regen_service.train.target import HFTarget
 from regen_service.train.trainer import DraftTrainer
 from regen_service.train.ttt import ttt_loss
+from tests.train.test_mla import mla_config
 from tests.train.test_units import tiny_config
 
 
@@ -237,15 +237,12 @@ def test_the_mla_draft_compiles_each_norm_once_across_lengths(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(layers._rms_norm, backend="aot_eager", dynamic=None)  # autograd as on CUDA
     monkeypatch.setattr(layers, "fused_on", lambda x, fn: compiled if fn is layers._rms_norm else fn)
-    c = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                    head_dim=24, rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=8192,
-                    vocab_size=512, draft_vocab_size=128, target_hidden_size=64, draft_arch="mla",
-                    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    c = mla_config(max_position_embeddings=512)
     tr = train_step.make_trainer(c, 3, init_distributed("cpu"), attention="eager")
     before = compile_counts()
     for t in (40, 57, 23, 130, 88, 301):
         train_step.draft_step(tr, c, 1, t, True, True)()
-    # one entry per width (hidden 64, q_lora 32, kv_lora 16); tracked views made it 5 here
+    # one entry per width (hidden 32, q_lora 24, kv_lora 16); tracked views made it 5 here
     assert compile_counts().since(before).graphs == 3
 
 
