@@ -65,6 +65,11 @@ class GradBuffer:
         self._written.add(id(p))
         return first
 
+    def claim(self, p: torch.nn.Parameter) -> bool:
+        """True when nothing wrote p's gradient yet this step: the caller then writes p.main_grad whole
+        itself (loss.py). p counts as written from here on either way."""
+        return self._first(p)
+
     def mm(self, p: torch.nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
         """p.main_grad += a @ b (the first write of a step overwrites)."""
         mm_into(p.main_grad, a, b, self._first(p))

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from regen_service.train.chunks import chunk_rows
 from regen_service.train.compiled import fused_on, mark_lengths
 from regen_service.train.grads import mm_into, owner
 
-# logits elements per chunk: 1 GiB in bf16 (logits and their gradient alive, fp32 math fused in between).
-# Fewer chunks, fewer passes of the fp32 weight gradient through the GEMM's epilogue: 4 chunks over
-# the 7 TTT steps of an 8K sequence at a 32K draft vocabulary (8388 rows a chunk before: 7)
+# logits elements per chunk at most: 1 GiB in bf16 (logits and their gradient alive, fp32 math fused in
+# between). Fewer chunks, fewer passes of the fp32 weight gradient through the GEMM's epilogue: 4 equal
+# chunks over the 7 TTT steps of an 8K sequence at a 32K draft vocabulary (8388 rows a chunk before: 7)
 CHUNK_ELEMS = 1 << 29
 
 
@@ -43,17 +44,29 @@ def _chunk_math(logits, probs, rows, ids, rw: torch.Tensor):
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, rw, probs, prob_rows, ids, buf):
+    def forward(ctx, x, w, rw, probs, prob_rows, ids, buf, grad_on):
         n, v = x.shape[0], w.shape[0]
-        chunk = max(1, CHUNK_ELEMS // v)
+        chunk = chunk_rows(n, v, CHUNK_ELEMS)
         math = fused_on(x, _chunk_math)
-        gx = torch.empty_like(x)
-        # fp32: cuBLAS accumulates each chunk's bf16 product into it (grads.mm_into)
-        gw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if w.requires_grad else None
+        # needs_input_grad reads True under no_grad too (an evaluation): no gradient made there
+        want_x, want_w = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
+        gx = torch.empty_like(x) if want_x else None
+        # The weight's fp32 gradient is made here, before backward knows the incoming gradient g. When
+        # nothing else wrote the weight's main_grad this step, it is written there directly and scaled by
+        # g in backward (no [V, H] fp32 tensor beside it: 0.9 GB at a Kimi-K2.5 draft); otherwise (a
+        # second micro-batch, plain autograd) into a tensor of its own that backward adds, scaled.
+        ctx.direct = want_w and buf is not None and buf.claim(w)
+        gw = None
+        if ctx.direct:
+            gw = w.main_grad
+        elif want_w:
+            gw = torch.empty(w.shape, dtype=torch.float32, device=w.device)
         ce_all = torch.empty(n, dtype=torch.float32, device=x.device)
         arg_all = torch.empty(n, dtype=torch.int64, device=x.device)
         if probs is not None:
             mark_lengths((probs, 0))
+        if gw is not None and n == 0:
+            gw.zero_()
         for s in range(0, n, chunk):
             xc = x[s : s + chunk]
             logits = xc @ w.T
@@ -63,24 +76,31 @@ class _FusedHeadLoss(torch.autograd.Function):
             mark_lengths((logits, 0), (rows, 0), (idc, 0), (rwc, 0))
             ce, arg, g = math(logits, probs, rows, idc, rwc)
             ce_all[s : s + chunk], arg_all[s : s + chunk] = ce, arg
-            torch.mm(g, w, out=gx[s : s + chunk])
+            if gx is not None:
+                torch.mm(g, w, out=gx[s : s + chunk])
             if gw is not None:
                 mm_into(gw, g.T, xc, overwrite=s == 0)
-        ctx.buf = buf
-        # the fp32 gradient goes to the weight's main_grad (grads.py); without one, autograd's in w's dtype
-        ctx.save_for_backward(gx, gw if gw is None or ctx.buf is not None else gw.to(w.dtype))
+        ctx.buf, ctx.w = buf, w
+        if ctx.direct:
+            gw = None  # it is in main_grad already
+        elif gw is not None and buf is None:
+            gw = gw.to(w.dtype)  # it goes back through autograd, in w's dtype
+        ctx.save_for_backward(gx, gw)
         ctx.mark_non_differentiable(ce_all, arg_all)
-        ctx.w = w if ctx.buf is not None else None
         return (ce_all * rw).sum(), ce_all, arg_all
 
     @staticmethod
     def backward(ctx, g, _ce, _arg):
         gx, gw = ctx.saved_tensors
-        dx = gx.mul_(g.to(gx.dtype))  # ours alone, and backward runs once: scaled in place
+        dx = gx.mul_(g.to(gx.dtype)) if gx is not None else None  # ours alone, backward runs once
+        if ctx.direct:
+            ctx.w.main_grad.mul_(g.float())
+            return dx, None, None, None, None, None, None, None
         if ctx.buf is not None:
-            ctx.buf.add(ctx.w, gw, scale=g.float())
-            return dx, None, None, None, None, None, None
-        return dx, (gw * g.to(gw.dtype) if gw is not None else None), None, None, None, None, None
+            if gw is not None:
+                ctx.buf.add(ctx.w, gw, scale=g.float())
+            return dx, None, None, None, None, None, None, None
+        return dx, (gw * g.to(gw.dtype) if gw is not None else None), None, None, None, None, None, None
 
 
 def _check(target_probs, prob_rows, target_ids) -> None:
@@ -94,7 +114,9 @@ def head_loss(x, w, row_weight, *, target_probs=None, prob_rows=None, target_ids
     """x [N, H] (normed hidden), w [V, H] (lm_head), row_weight [N] fp32. -> (loss, CE [N], argmax [N])."""
     _check(target_probs, prob_rows, target_ids)
     # the weight's fp32 gradient buffer, looked up here: autograd records out here, not inside forward
-    return _FusedHeadLoss.apply(x, w, row_weight.float(), target_probs, prob_rows, target_ids, owner(w))
+    return _FusedHeadLoss.apply(
+        x, w, row_weight.float(), target_probs, prob_rows, target_ids, owner(w), torch.is_grad_enabled()
+    )
 
 
 def reference_loss(x, w, row_weight, *, target_probs=None, prob_rows=None, target_ids=None):

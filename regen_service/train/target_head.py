@@ -13,20 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from regen_service.train.chunks import chunk_rows
+
 # Logits elements per position chunk: Kimi-K2.5's head is 163,840 wide, so [T, V] logits of an 8K
 # sequence would be 2.7 GB in bf16; a chunk of 2^27 elements is 256 MiB (819 positions) and a large GEMM.
-# The positions are split into equal chunks (`_chunk_rows`): no short last chunk running a thin GEMM.
+# The positions are split into equal chunks (chunks.chunk_rows): no short last chunk running a thin GEMM.
 HEAD_CHUNK_ELEMS = 1 << 27
-
-
-def _chunk_rows(n: int, width: int) -> int:
-    """Rows a chunk: n split into ceil(n / most) chunks of equal size (the last smaller, by less than one
-    chunk's count), most the rows HEAD_CHUNK_ELEMS allows at this width."""
-    most = max(1, HEAD_CHUNK_ELEMS // width)
-    if n == 0:
-        return most
-    chunks = -(-n // most)
-    return -(-n // chunks)
 
 
 def final_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,7 +45,7 @@ def head_outputs(
     if draft_token_ids is not None:
         cols = draft_token_ids.to(x.device)
         draft = torch.empty(b * t, len(cols), dtype=torch.float32, device=x.device)
-    chunk = _chunk_rows(b * t, head.shape[0])
+    chunk = chunk_rows(b * t, head.shape[0], HEAD_CHUNK_ELEMS)
     for s in range(0, b * t, chunk):
         logits = x[s : s + chunk] @ head.T
         pred[s : s + chunk] = logits.argmax(-1)

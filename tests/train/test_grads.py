@@ -16,8 +16,11 @@ import torch
 
 from regen_service.bench.train_step import make_trainer
 from regen_service.draft.config import DraftConfig
+from regen_service.train import loss as loss_mod
+from regen_service.train.chunks import chunk_rows
 from regen_service.train.dist import DistContext
 from regen_service.train.grads import GradBuffer
+from regen_service.train.loss import head_loss, reference_loss
 from regen_service.train.memory_probe import StepProbe
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.ttt import ttt_loss
@@ -127,3 +130,56 @@ def test_one_step_equals_autograd_clip_and_adamw_and_the_fused_clip_agrees():
         if p.requires_grad:
             assert torch.allclose(got[name], p, atol=1e-6, rtol=1e-5), name
             assert torch.allclose(gotf[name], got[name], atol=1e-6, rtol=1e-5), name
+
+
+def _head_case(n_rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_rows, 32, generator=g)
+    rw = torch.rand(n_rows, generator=g)
+    probs = torch.softmax(torch.randn(n_rows, N, generator=g), -1)
+    return x, rw, probs, torch.arange(n_rows)
+
+
+def test_the_head_gradient_written_into_the_buffer_takes_the_incoming_scale_and_adds_a_second_batch(
+    monkeypatch,
+):
+    """The head loss writes the lm_head's fp32 gradient straight into main_grad when it is the step's first
+    write, and scales it in backward by the incoming gradient (a loss weight: 0.37 here); a second
+    micro-batch in the same step adds its own, scaled, instead of overwriting; several chunks, the last
+    one shorter; under no_grad the buffer is left alone. All against plain autograd."""
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMS", N * 7)  # 7 rows at most a chunk: 10 rows in 2 of 5
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, N, bias=False)
+    ref_w = head.weight.detach().clone().requires_grad_(True)
+    buf = GradBuffer([head.weight])
+    buf.begin()
+    batches = [_head_case(10, 1), _head_case(13, 2)]
+    for scale, (x, rw, probs, rows) in zip((0.37, 1.7), batches, strict=True):
+        kw = {"target_probs": probs, "prob_rows": rows}
+        xr = x.clone().requires_grad_(True)
+        xn = x.clone().requires_grad_(True)
+        (ref_total, _, _) = reference_loss(xr, ref_w, rw, **kw)
+        (total, _, _) = head_loss(xn, head.weight, rw, **kw)
+        assert float(total) == pytest.approx(float(ref_total), rel=1e-6)
+        (ref_total * scale).backward()
+        (total * scale).backward()
+        assert _rel(xn.grad, xr.grad) < 2e-6
+    buf.finish()
+    assert head.weight.grad is None
+    assert _rel(head.weight.main_grad, ref_w.grad) < 2e-6
+    before = head.weight.main_grad.clone()
+    with torch.no_grad():
+        x, rw, probs, rows = batches[0]
+        total, _, _ = head_loss(x, head.weight, rw, target_probs=probs, prob_rows=rows)
+    assert torch.equal(head.weight.main_grad, before)
+    assert float(total) == pytest.approx(
+        float(reference_loss(x, ref_w, rw, target_probs=probs, prob_rows=rows)[0])
+    )
+
+
+def test_logit_chunks_are_equal_within_their_budget():
+    assert (
+        chunk_rows(57_344, 32_000, 1 << 29) == 14_336
+    )  # Kimi 8K, 7 TTT steps: 4 chunks, not 3 + a short one
+    assert chunk_rows(14_336, 32_000, 1 << 29) == 14_336  # one chunk when it fits
+    assert chunk_rows(10, 4, 28) == 5 and chunk_rows(0, 4, 28) == 7 and chunk_rows(3, 100, 10) == 1
