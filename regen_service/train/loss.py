@@ -5,11 +5,13 @@ sum_r row_weight[r] * CE_r, where CE_r is the cross-entropy of softmax(x_r @ w.T
 target's distribution over the draft vocabulary (soft: the EAGLE-3 objective) or its argmax (hard).
 The forward makes the logits of a few thousand rows at a time, writes the gradients w.r.t. x and w
 right away (softmax - p, weighted) and keeps only those, so no [rows, vocab] fp32 logits, softmax
-or log-softmax is saved for backward (the backward only scales them by the incoming gradient). It
-also gives each row's CE and argmax (detached) for the step metrics. Soft targets are read by row
-index (`prob_rows`) from one [M, vocab] table, so the TTT steps' shifted targets are never copied.
-`reference_loss` is the plain autograd version the tests hold it to. Which rows count and with what
-weight is ttt.py's. Imports torch only.
+or log-softmax is saved for backward (the backward only scales them by the incoming gradient). The
+weight's fp32 gradient goes straight into its main_grad (grads.py) when it is the step's first write
+there, so no second [vocab, H] fp32 tensor is alive at the step's peak; no gradient is made under
+no_grad (an evaluation). It also gives each row's CE and argmax (detached) for the step metrics.
+Soft targets are read by row index (`prob_rows`) from one [M, vocab] table, so the TTT steps' shifted
+targets are never copied. `reference_loss` is the plain autograd version the tests hold it to. Which
+rows count and with what weight is ttt.py's. Imports torch only.
 """
 
 from __future__ import annotations
