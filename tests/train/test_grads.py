@@ -147,7 +147,7 @@ def test_the_head_gradient_written_into_the_buffer_takes_the_incoming_scale_and_
     write, and scales it in backward by the incoming gradient (a loss weight: 0.37 here); a second
     micro-batch in the same step adds its own, scaled, instead of overwriting; several chunks, the last
     one shorter; under no_grad the buffer is left alone. All against plain autograd."""
-    monkeypatch.setattr(loss_mod, "CHUNK_ELEMS", N * 7)  # 7 rows at most a chunk: 10 rows in 2 of 5
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMS", N * 7)  # 7 rows at most: 10 rows in 5 + 5, 13 in 7 + 6
     torch.manual_seed(0)
     head = torch.nn.Linear(32, N, bias=False)
     ref_w = head.weight.detach().clone().requires_grad_(True)
@@ -178,8 +178,7 @@ def test_the_head_gradient_written_into_the_buffer_takes_the_incoming_scale_and_
 
 
 def test_logit_chunks_are_equal_within_their_budget():
-    assert (
-        chunk_rows(57_344, 32_000, 1 << 29) == 14_336
-    )  # Kimi 8K, 7 TTT steps: 4 chunks, not 3 + a short one
+    # Kimi 8K, 7 TTT steps: 4 chunks of 14,336 rows, not 3 of 16,777 and a short one
+    assert chunk_rows(57_344, 32_000, 1 << 29) == 14_336
     assert chunk_rows(14_336, 32_000, 1 << 29) == 14_336  # one chunk when it fits
     assert chunk_rows(10, 4, 28) == 5 and chunk_rows(0, 4, 28) == 7 and chunk_rows(3, 100, 10) == 1
