@@ -60,24 +60,21 @@ class GradBuffer:
         for p in self.params:
             p.grad = None
 
-    def _first(self, p: torch.nn.Parameter) -> bool:
+    def claim(self, p: torch.nn.Parameter) -> bool:
+        """True when nothing wrote p's gradient yet this step (the write overwrites main_grad: `mm`, `add`,
+        or loss.py writing it whole itself). p counts as written from here on either way."""
         first = id(p) not in self._written
         self._written.add(id(p))
         return first
 
-    def claim(self, p: torch.nn.Parameter) -> bool:
-        """True when nothing wrote p's gradient yet this step: the caller then writes p.main_grad whole
-        itself (loss.py). p counts as written from here on either way."""
-        return self._first(p)
-
     def mm(self, p: torch.nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
         """p.main_grad += a @ b (the first write of a step overwrites)."""
-        mm_into(p.main_grad, a, b, self._first(p))
+        mm_into(p.main_grad, a, b, self.claim(p))
 
     def add(self, p: torch.nn.Parameter, g: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """p.main_grad += g (* scale, a 0-dim tensor: the incoming gradient of a scalar loss)."""
         main = p.main_grad
-        first = self._first(p)
+        first = self.claim(p)
         if scale is None:
             main.copy_(g) if first else main.add_(g)
         elif first:

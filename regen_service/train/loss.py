@@ -95,14 +95,14 @@ class _FusedHeadLoss(torch.autograd.Function):
     def backward(ctx, g, _ce, _arg):
         gx, gw = ctx.saved_tensors
         dx = gx.mul_(g.to(gx.dtype)) if gx is not None else None  # ours alone, backward runs once
+        dw = None  # through autograd only without a buffer
         if ctx.direct:
             ctx.w.main_grad.mul_(g.float())
-            return dx, None, None, None, None, None, None, None
-        if ctx.buf is not None:
-            if gw is not None:
-                ctx.buf.add(ctx.w, gw, scale=g.float())
-            return dx, None, None, None, None, None, None, None
-        return dx, (gw * g.to(gw.dtype) if gw is not None else None), None, None, None, None, None, None
+        elif ctx.buf is not None and gw is not None:
+            ctx.buf.add(ctx.w, gw, scale=g.float())
+        elif gw is not None:
+            dw = gw * g.to(gw.dtype)
+        return dx, dw, None, None, None, None, None, None
 
 
 def _check(target_probs, prob_rows, target_ids) -> None:
