@@ -6,20 +6,22 @@ block-sparse kernel over the concatenated keys; this module splits it in two exa
 
 - the causal part is FlashAttention-2 as PyTorch ships it (`aten._scaled_dot_product_flash_attention`
   and its `_backward`, torch 2.11's and 2.13's schemas), which returns the rows' log-sum-exp `lse_c`;
-- each diagonal key j adds one score per query, s_j = q . k_j * scale, folded in by an online softmax
-  (`_absorb`: L <- logaddexp(L, s_j), out <- out * e^(L_old - L) + e^(s_j - L) v_j), fp32, so the
-  merged output and the global log-sum-exp L are exactly the masked softmax's.
+- the n diagonal keys of step n add one score per query each, s_j = q . k_j * scale, folded in by
+  `ttt_merge.merge` (one Triton kernel on CUDA for every length and key count): L = logaddexp(lse_c,
+  s_1..s_n), out = out_c e^(lse_c - L) + sum_j e^(s_j - L) v_j, fp32, so the merged output and the
+  global log-sum-exp L are exactly the masked softmax's.
 
 Backward: as ring attention does it, the flash backward is called with the merged output and the
 global L, so its P = exp(QK^T * scale - L) are the global softmax's probabilities and its
-dS = P (dP - D), D = rowsum(dO * O), are the causal block's exact gradients; each diagonal key's
-part is the same formula on one score (`_diag_grad`). Nothing is concatenated: flex needs every
-step's keys in one [T * (n+1)] tensor, copied at each step and saved for backward.
+dS = P (dP - D), D = rowsum(dO * O), are the causal block's exact gradients; the diagonal keys' part
+is the same formula on one score each (`ttt_merge.merge_grad`, adding into the causal kernel's dq in
+place). A key read by several steps has its gradient summed across them inside that kernel
+(`KeyGrads`, through `TTTCache`), not by autograd. Nothing is concatenated: flex needs every step's
+keys in one [T * (n+1)] tensor, copied at each step and saved for backward.
 
 FlashAttention-2 takes bf16/fp16 and one head dim for q, k and v: the MLA draft's values (128) are
 zero-padded to its qk head dim (192), and grouped keys (GQA) are expanded to the query heads (dK, dV
-summed back). The elementwise parts compile once for every length (compiled.py). `reference=True`
-(and any CPU tensor) computes the causal part with plain torch by the same formulas, so the CPU tests
+summed back). `reference=True` (and any CPU tensor) computes the causal part and the merge with plain torch by the same formulas, so the CPU tests
 hold the merge and its backward to the eager attention's autograd. Imports torch only.
 """
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from regen_service.train.compiled import fused_on, mark_lengths
+from regen_service.train import ttt_merge
 
 BACKENDS = ("flash", "cudnn", "reference")
 MAX_HEAD_DIM = {"flash": 256, "cudnn": 128}  # FlashAttention-2's largest head dim; cuDNN's taken here
@@ -52,39 +54,6 @@ def supported(dtype: torch.dtype, qk_head_dim: int, device: torch.device, backen
         and torch.cuda.get_device_capability(device) >= (8, 0)
         and takes(dtype, qk_head_dim, backend)
     )
-
-
-def _grouped(x: torch.Tensor, kv: int) -> torch.Tensor:
-    """[B, h, T, d] -> [B, kv, h // kv, T, d] (a view): query heads grouped by the key head they read."""
-    b, h, t, d = x.shape
-    return x.view(b, kv, h // kv, t, d)
-
-
-def _absorb(q, acc, lse, k, v, scale: float):
-    """One diagonal key per query into the running softmax: (acc fp32 [B,h,T,dv], lse [B,h,T]) ->
-    (acc', lse', s). q [B,h,T,d]; k [B,kv,T,d]; v [B,kv,T,dv]."""
-    kv = k.shape[1]
-    qg = _grouped(q, kv).float()
-    s = (qg * k.float()[:, :, None]).sum(-1).flatten(1, 2) * scale  # [B, h, T]
-    new = torch.logaddexp(lse, s)
-    keep, take = torch.exp(lse - new)[..., None], torch.exp(s - new)[..., None]
-    vv = v.float()[:, :, None].expand(-1, -1, q.shape[1] // kv, -1, -1).flatten(1, 2)
-    return acc * keep + take * vv, new, s
-
-
-def _diag_grad(q, dout, dsum, lse, s, k, v, scale: float, dq):
-    """The gradients through one diagonal key: (dq + its part, dk [B,kv,T,d], dv [B,kv,T,dv]).
-    dsum = rowsum(dout * out) [B,h,T]; lse the global log-sum-exp; s that key's scores."""
-    kv = k.shape[1]
-    p = torch.exp(s - lse)  # [B, h, T]
-    do = _grouped(dout, kv).float()
-    dp = (do * v.float()[:, :, None]).sum(-1).flatten(1, 2)
-    ds = p * (dp - dsum)  # [B, h, T]
-    dsg = _grouped(ds[..., None], kv)
-    dq = dq + (dsg * k.float()[:, :, None]).flatten(1, 2) * scale
-    dk = (dsg * _grouped(q, kv).float()).sum(2) * scale
-    dv = (_grouped(p[..., None], kv) * do).sum(2)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _row_dot(a, b):
@@ -144,9 +113,31 @@ def _in_layout(like: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class KeyGrads:
+    """The diagonal keys' gradients, summed across the TTT steps that read them, for one unroll.
+
+    Key j (step j's k and v) is read by steps j, j+1, ..., and backward meets those steps last to first:
+    step j's attention runs its backward after every later step's (their gradients reach step j's
+    output only through step j+1's input). So each later step adds its part into `sums[j]` inside the
+    merge's backward kernel and hands autograd None for that key, and step j, the last reader, returns
+    the total. Autograd would otherwise add the per-step gradients one pair at a time: (n-1) n / 2
+    extra passes over the keys and values per sequence (15 pairs at 7 steps)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, tuple] = {}
+
+
+class TTTCache(list):
+    """The per-step (k, v) cache of one TTT unroll (layers.attend appends to it), with its KeyGrads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key_grads = KeyGrads()
+
+
 class _TTTFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, scale, backend, k0, v0, *rest):
+    def forward(ctx, q, scale, backend, key_grads, k0, v0, *rest):
         h, d = q.shape[1], q.shape[3]
         kv, dv = k0.shape[1], v0.shape[-1]
         rep = h // kv
@@ -155,28 +146,22 @@ class _TTTFlash(torch.autograd.Function):
         v0e = F.pad(v0e, (0, d - dv)) if dv < d else v0e  # one head dim for the kernel
         out_c, lse_raw, aux = _causal_fwd(q, k0e, v0e, scale, backend)
         lse = _rows(lse_raw, q.shape[:3])
-        out_k, scores = out_c, []  # out_k: the output in the kernel's layout, value dims padded with zeros
+        out_k = out_c  # the output in the kernel's layout, value dims padded with zeros
         if rest:  # step 0 has no diagonal keys: the causal output is the answer
-            acc, absorb = out_c[..., :dv].float(), fused_on(q, _absorb)
-            for j in range(0, len(rest), 2):
-                mark_lengths((q, 2), (acc, 2), (lse, 2), (rest[j], 2), (rest[j + 1], 2))
-                acc, lse, s = absorb(q, acc, lse, rest[j], rest[j + 1], scale)
-                scores.append(s)
             # written in the kernel's layout (cuDNN's and FlashAttention's are [B, T, h, d] in memory): the
             # caller's transpose to [B, T, h*d] is then a view, and backward hands the kernel its own output
-            out_k = _in_layout(out_c, acc)
-        ctx.save_for_backward(q, k0e, v0e, out_k, lse, lse_raw, *scores, *rest)
-        ctx.aux, ctx.scale, ctx.backend, ctx.kv, ctx.n = aux, scale, backend, kv, len(rest) // 2
+            out_k, lse = ttt_merge.merge(q, out_c, lse, rest[0::2], rest[1::2], scale)
+        ctx.save_for_backward(q, k0e, v0e, out_k, lse, lse_raw, *rest)
+        ctx.aux, ctx.scale, ctx.backend, ctx.kv = aux, scale, backend, kv
+        ctx.key_grads = key_grads
         return out_k[..., :dv]
 
     @staticmethod
     def backward(ctx, dout):
-        q, k0e, v0e, out_k, lse, lse_raw, *more = ctx.saved_tensors
-        n, scale = ctx.n, ctx.scale
-        scores, rest = more[:n], more[n:]
+        q, k0e, v0e, out_k, lse, lse_raw, *rest = ctx.saved_tensors
+        n, scale = len(rest) // 2, ctx.scale
         b, h, t, d = q.shape
         dv_dim = dout.shape[-1]
-        out = out_k[..., :dv_dim]
         # the causal block against the global softmax: the merged output and L, dO in the layout of O
         # (cuDNN wants it so; the caller's reshape gives it so already, then nothing is copied)
         same = dv_dim == d and dout.stride() == out_k.stride()
@@ -188,28 +173,33 @@ class _TTTFlash(torch.autograd.Function):
         dq_c, dk0, dv0 = _causal_bwd(dout_k, q, k0e, v0e, out_k, lse_g, ctx.aux, scale, ctx.backend)
         drest = []
         if n:
-            dout = dout_k[..., :dv_dim]
-            dsum = fused_on(q, _row_dot)(dout, out)
-            grad = fused_on(q, _diag_grad)
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            for j in range(n):
-                k, v = rest[2 * j], rest[2 * j + 1]
-                mark_lengths((q, 2), (dout, 2), (dsum, 2), (lse, 2), (scores[j], 2), (k, 2), (v, 2), (dq, 2))
-                dq, dk, dvj = grad(q, dout, dsum, lse, scores[j], k, v, scale, dq)
-                drest += [dk, dvj]
-            dq_c = dq_c.add_(dq) if dq_c.dtype == q.dtype else (dq_c.float() + dq).to(q.dtype)
+            sums = ctx.key_grads.sums if ctx.key_grads is not None else {}
+            held = {j: sums.pop(j) for j in range(1, n + 1) if j in sums}
+            grads = ttt_merge.merge_grad(
+                q, dout_k[..., :dv_dim], out_k[..., :dv_dim], lse, dq_c, rest[0::2], rest[1::2], scale, held
+            )
+            for j, pair in enumerate(grads, start=1):
+                if ctx.key_grads is not None and j < n:  # keys 1..n-1 wait for their own steps
+                    sums[j] = pair
+                    drest += [None, None]
+                else:  # key n is this step's own: its total (every later step's part added in)
+                    drest += list(pair)
         dv0 = dv0[..., :dv_dim]
         if h != ctx.kv:
             dk0 = dk0.view(b, ctx.kv, h // ctx.kv, t, d).sum(2)
             dv0 = dv0.reshape(b, ctx.kv, h // ctx.kv, t, dv_dim).sum(2)
-        return (dq_c.to(q.dtype), None, None, dk0.to(q.dtype), dv0.to(q.dtype), *drest)
+        return (dq_c.to(q.dtype), None, None, None, dk0.to(q.dtype), dv0.to(q.dtype), *drest)
 
 
 def ttt_attention(q: torch.Tensor, cache: list, scale: float, backend: str = "flash") -> torch.Tensor:
     """q [B, h, T, d]; cache [(k0, v0), (k1, v1), ...]: the step-0 prefix (T keys, causal) then one key
     per query for each earlier draft step. -> [B, h, T, dv], the TTT-masked attention. backend: "flash"
-    (FlashAttention-2), "cudnn" (cuDNN's fused attention) or "reference"; CPU tensors take the reference."""
+    (FlashAttention-2), "cudnn" (cuDNN's fused attention) or "reference"; CPU tensors take the reference.
+    A TTTCache (one TTT unroll, calls in step order) sums its keys' gradients across steps (KeyGrads);
+    a plain list gets every key's gradient from this call alone."""
     if backend not in BACKENDS:
         raise ValueError(f"flash TTT attention backend {backend!r}: allowed {', '.join(BACKENDS)}")
     flat = [x for kv in cache[1:] for x in kv]
-    return _TTTFlash.apply(q, scale, backend if q.is_cuda else "reference", cache[0][0], cache[0][1], *flat)
+    key_grads = cache.key_grads if isinstance(cache, TTTCache) else None
+    backend = backend if q.is_cuda else "reference"
+    return _TTTFlash.apply(q, scale, backend, key_grads, cache[0][0], cache[0][1], *flat)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from regen_service.train.flash_ttt import TTTCache
 from regen_service.train.linear import linear
 from regen_service.train.loss import head_loss, reference_loss
 from regen_service.train.model import Eagle3Draft
@@ -40,7 +41,7 @@ def unroll(
     t = input_ids.shape[1]
     hidden = linear(aux.to(draft.fc.weight.dtype), draft.fc.weight)
     cos, sin = draft.rotary.get(t + steps, input_ids.device, hidden.dtype)
-    cache: list = []
+    cache = TTTCache()  # its KeyGrads sum each diagonal key's gradient across the steps that read it
     for i in range(steps):
         hidden = draft.step_hidden(
             _shift(input_ids, 1 + i), hidden, cos[None, None, i : i + t], sin[None, None, i : i + t], cache

@@ -18,6 +18,7 @@ from regen_service.train.layers import eager_attention
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.trainer import choose_attention
 from regen_service.train.ttt import ttt_loss
+from tests.train.test_mla import mla_config
 
 
 def _cache(g, kv, t, d, dv, segments):
@@ -55,17 +56,34 @@ def test_forward_and_every_gradient_match_eager(heads, kv, d, dv, t, steps):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
 
 
-def test_the_draft_trains_the_same_loss_and_gradients_with_flash_as_with_eager():
+@pytest.mark.parametrize("arch", ["llama-gqa", "mla"])
+def test_the_draft_trains_the_same_loss_and_gradients_with_flash_as_with_eager(arch):
+    """Through ttt_loss's unroll (a TTTCache): each diagonal key's gradient is summed across the steps
+    that read it inside the merge's backward, the later steps handing autograd None for it; GQA (4
+    query heads on 2 key heads) and the MLA draft's values narrower than its keys (8 < 12)."""
     torch.manual_seed(0)
-    ref = Eagle3Draft(DraftConfig(32, 64, 4, 2, 8, 1e-5, 10000.0, 512, 300, 50, 32))
-    t2d = torch.zeros(300, dtype=torch.bool)
-    t2d[:50] = True
-    ref.set_vocab(torch.zeros(50, dtype=torch.int64), t2d)
+    if arch == "mla":
+        config, vocab, draft_vocab, width = mla_config(), 50, 12, 96
+    else:
+        config, vocab, draft_vocab, width = (
+            DraftConfig(32, 64, 4, 2, 8, 1e-5, 10000.0, 512, 300, 50, 32),
+            300,
+            50,
+            96,
+        )
+    ref = Eagle3Draft(config)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    ref.set_vocab(torch.zeros(draft_vocab, dtype=torch.int64), t2d)
     new = Eagle3Draft(ref.config)
     new.load_state_dict(ref.state_dict())
     new.set_attention("flash")
     g = torch.Generator().manual_seed(1)
-    aux, ids = torch.randn(2, 20, 96, generator=g), torch.randint(0, 60, (2, 20), generator=g)
+    aux, ids = (
+        torch.randn(2, 20, width, generator=g),
+        torch.randint(0, draft_vocab + 10, (2, 20), generator=g),
+    )
+    ids = ids.clamp(max=vocab - 1)
     mask = (torch.rand(2, 20, generator=g) > 0.2).long()
     la, _ = ttt_loss(ref, aux, ids, ids, mask, 5)
     lb, _ = ttt_loss(new, aux, ids, ids, mask, 5)
