@@ -24,10 +24,30 @@ to the fp32 reference on a GPU. Imports torch, and triton only when a CUDA tenso
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 KEYS_PER_LAUNCH = 8
+TRITON_MIN = (3, 2)  # tuples as kernel arguments (triton-lang/triton#5220; torch 2.6's triton)
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def kernels_run() -> bool:
+    """Whether this host's triton builds the kernels; without it (or older than TRITON_MIN) the merge
+    runs the torch path on the GPU too, correct and slower, and says so once."""
+    try:
+        import triton
+    except ImportError:
+        log.warning("triton is not installed: the TTT merge runs in plain torch (slower)")
+        return False
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version < TRITON_MIN:
+        log.warning("triton %s predates %s: the TTT merge runs in plain torch (slower)", triton.__version__,
+                    ".".join(map(str, TRITON_MIN)))  # fmt: skip
+        return False
+    return True
 
 
 def _bthd_empty(like: torch.Tensor, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -41,7 +61,7 @@ def merge(q, out_c, lse_c, keys, vals, scale: float):
     """-> (out [B,h,T,d] in out_c's layout and dtype, value dims beyond dv zero; L [B,h,T] fp32).
     q [B,h,T,d]; out_c the causal output [B,h,T,d] (its first dv dims the values'); lse_c [B,h,T] fp32;
     keys [B,kv,T,d] and vals [B,kv,T,dv], one per diagonal key."""
-    if not q.is_cuda:
+    if not (q.is_cuda and kernels_run()):
         return reference_merge(q, out_c, lse_c, keys, vals, scale)
     return kernel_merge(q, out_c, lse_c, keys, vals, scale)
 
@@ -63,7 +83,7 @@ def merge_grad(q, dout, out, big, dq_c, keys, vals, scale: float, held: dict[int
     """Adds the keys' part of dq into dq_c (in place) and returns [(dk_j, dv_j)] for each key, in the
     keys' dtype, each plus held[j] (the later steps' parts for key j) where held has it. dout, out
     [B,h,T,dv]; big the global log-sum-exp [B,h,T]; the rest as `merge`."""
-    if not q.is_cuda:
+    if not (q.is_cuda and kernels_run()):
         return reference_merge_grad(q, dout, out, big, dq_c, keys, vals, scale, held)
     return kernel_merge_grad(q, dout, out, big, dq_c, keys, vals, scale, held)
 
