@@ -21,8 +21,9 @@ keys in one [T * (n+1)] tensor, copied at each step and saved for backward.
 
 FlashAttention-2 takes bf16/fp16 and one head dim for q, k and v: the MLA draft's values (128) are
 zero-padded to its qk head dim (192), and grouped keys (GQA) are expanded to the query heads (dK, dV
-summed back). `reference=True` (and any CPU tensor) computes the causal part and the merge with plain torch by the same formulas, so the CPU tests
-hold the merge and its backward to the eager attention's autograd. Imports torch only.
+summed back). `reference=True` (and any CPU tensor) computes the causal part and the merge with
+plain torch by the same formulas, so the CPU tests hold the merge and its backward to the eager
+attention's autograd. Imports torch only (ttt_merge imports triton on CUDA).
 """
 
 from __future__ import annotations

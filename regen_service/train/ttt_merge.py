@@ -12,11 +12,11 @@ with one key per query. This module owns the second part, in one pass over all n
   not saved. A key's gradient may be added into a buffer that already holds the later steps' parts
   (flash_ttt.KeyGrads), so autograd does not add them one pair at a time.
 
-On CUDA both are one Triton kernel each (`_merge_fwd`, `_merge_bwd`), compiled once per dtype and head
-dim, for every length and every number of keys: the keys reach the kernel as a tuple of up to
+On CUDA both are one Triton kernel each (`merge_fwd`, `merge_bwd` in `_kernels`), compiled once per dtype
+and head dim, for every length and every number of keys: the keys reach the kernel as a tuple of up to
 `KEYS_PER_LAUNCH` pointers and a runtime count, and more keys take more launches (the online softmax
 chains). torch.compile would build one graph per key count (21 per direction at 7 TTT steps: a
-100 s first step, docs/training.md). On the CPU the same formulas run in torch (`reference`), which the
+100 s first step, docs/training.md). On the CPU the same formulas run in torch (`reference_merge`, `reference_merge_grad`), which the
 tests hold to the eager attention's autograd; scripts/bench_train.py --mode numerics holds the kernels
 to the fp32 reference on a GPU. Imports torch, and triton only when a CUDA tensor arrives.
 """
@@ -150,7 +150,7 @@ def reference_merge_grad(q, dout, out, big, dq_c, keys, vals, scale: float, held
         if j + 1 in held:
             dk, dvj = dk + held[j + 1][0], dvj + held[j + 1][1]
         grads.append((dk.to(k.dtype), dvj.to(v.dtype)))
-    dq_c.copy_(dq_c + dq)
+    dq_c.add_(dq)
     return grads
 
 
@@ -193,7 +193,7 @@ def _launch_fwd(q, src, src_lse, out, big, keys, vals, scale: float) -> None:
     kv, dv = keys[0].shape[1], vals[0].shape[-1]
     keys, vals = _same_strides(keys), _same_strides(vals)
     bd, bt, warps = _block(d)
-    kern[(triton_cdiv(t, bt), b * h)](
+    kern[(_cdiv(t, bt), b * h)](
         q, *q.stride(), src, *src.stride(), out, *out.stride(), src_lse, *src_lse.stride(), big,
         _pad(keys, keys[0]), _pad(vals, vals[0]), *keys[0].stride(), *vals[0].stride(),
         len(keys), t, h, h // kv, scale, D=d, DV=dv, BD=bd, BT=bt, NMAX=KEYS_PER_LAUNCH, num_warps=warps,
@@ -209,7 +209,7 @@ def _launch_bwd(q, dout, out, big, dq_c, keys, vals, grads, adds, scale: float) 
     assert all(x.stride() == dks[0].stride() for x in dks) and all(x.stride() == dvs[0].stride() for x in dvs)
     flags = sum(1 << i for i, a in enumerate(adds) if a)
     bd, bt, warps = _block(d)
-    kern[(triton_cdiv(t, bt), b * h)](
+    kern[(_cdiv(t, bt), b * h)](
         q, *q.stride(), dout, *dout.stride(), out, *out.stride(), big, dq_c, *dq_c.stride(),
         _pad(keys, keys[0]), _pad(vals, vals[0]), *keys[0].stride(), *vals[0].stride(),
         _pad(dks, dks[0]), _pad(dvs, dvs[0]), *dks[0].stride(), *dvs[0].stride(), flags,
@@ -217,7 +217,7 @@ def _launch_bwd(q, dout, out, big, dq_c, keys, vals, grads, adds, scale: float) 
     )  # fmt: skip
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
