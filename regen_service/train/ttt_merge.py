@@ -12,13 +12,14 @@ with one key per query. This module owns the second part, in one pass over all n
   not saved. A key's gradient may be added into a buffer that already holds the later steps' parts
   (flash_ttt.KeyGrads), so autograd does not add them one pair at a time.
 
-On CUDA both are one Triton kernel each (`merge_fwd`, `merge_bwd` in `_kernels`), compiled once per dtype
-and head dim, for every length and every number of keys: the keys reach the kernel as a tuple of up to
-`KEYS_PER_LAUNCH` pointers and a runtime count, and more keys take more launches (the online softmax
-chains). torch.compile would build one graph per key count (21 per direction at 7 TTT steps: a
-100 s first step, docs/training.md). On the CPU the same formulas run in torch (`reference_merge`, `reference_merge_grad`), which the
-tests hold to the eager attention's autograd; scripts/bench_train.py --mode numerics holds the kernels
-to the fp32 reference on a GPU. Imports torch, and triton only when a CUDA tensor arrives.
+On CUDA both are one Triton kernel each (`merge_fwd`, `merge_bwd`, ttt_merge_kernels.py), compiled once
+per dtype and head dim, for every length and every number of keys: the keys reach the kernel as a tuple
+of up to `KEYS_PER_LAUNCH` pointers and a runtime count, and more keys take more launches (the online
+softmax chains). torch.compile would build one graph per key count (21 per direction at 7 TTT steps: a
+100 s first step, docs/training.md). On the CPU the same formulas run in torch (`reference_merge`,
+`reference_merge_grad`), which the tests hold to the eager attention's autograd; scripts/bench_train.py
+--mode numerics holds the kernels to the fp32 reference on a GPU. Imports torch; ttt_merge_kernels, and
+with it triton, only when a CUDA tensor arrives.
 """
 
 from __future__ import annotations
@@ -223,93 +224,8 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.cache
 def _kernels():
-    """The two Triton kernels, defined on first use so that the CPU (tests, CI) never imports triton."""
-    import triton
-    import triton.language as tl
+    """The two Triton kernels (ttt_merge_kernels.py), imported on first use so that the CPU (tests, CI)
+    never imports triton."""
+    from regen_service.train import ttt_merge_kernels
 
-    # n and T change from call to call: not specialised on (triton would compile again for n == 1, and
-    # for T a multiple of 16 or not), so each kernel compiles once per dtype and head dim
-    @triton.jit(do_not_specialize=["n", "T"])
-    def merge_fwd(
-        Q, sq_b, sq_h, sq_t, sq_d, OC, soc_b, soc_h, soc_t, soc_d, OUT, so_b, so_h, so_t, so_d,
-        LC, slc_b, slc_h, slc_t, LO, K, V, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-        n, T, H, REP, scale,
-        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, NMAX: tl.constexpr,
-    ):  # fmt: skip
-        bh = tl.program_id(1)
-        b, h = bh // H, bh % H
-        g = h // REP
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        d = tl.arange(0, BD)
-        mt = t < T
-        mq = mt[:, None] & (d < D)[None, :]
-        mv = mt[:, None] & (d < DV)[None, :]
-        q = tl.load(Q + b * sq_b + h * sq_h + t[:, None] * sq_t + d[None, :] * sq_d, mask=mq, other=0.0)
-        q = q.to(tl.float32)
-        src = OC + b * soc_b + h * soc_h + t[:, None] * soc_t + d[None, :] * soc_d
-        acc = tl.load(src, mask=mv, other=0.0).to(tl.float32)
-        big = tl.load(LC + b * slc_b + h * slc_h + t * slc_t, mask=mt, other=0.0).to(tl.float32)
-        koff = b * sk_b + g * sk_h + t[:, None] * sk_t + d[None, :] * sk_d
-        voff = b * sv_b + g * sv_h + t[:, None] * sv_t + d[None, :] * sv_d
-        for j in tl.static_range(NMAX):
-            if j < n:
-                k = tl.load(K[j] + koff, mask=mq, other=0.0).to(tl.float32)
-                s = tl.sum(q * k, 1) * scale
-                top = tl.maximum(big, s)
-                new = top + tl.log(tl.exp(big - top) + tl.exp(s - top))
-                v = tl.load(V[j] + voff, mask=mv, other=0.0).to(tl.float32)
-                acc = acc * tl.exp(big - new)[:, None] + tl.exp(s - new)[:, None] * v
-                big = new
-        dst = OUT + b * so_b + h * so_h + t[:, None] * so_t + d[None, :] * so_d
-        tl.store(dst, acc.to(OUT.dtype.element_ty), mask=mq)  # acc is 0 past DV: the padding
-        tl.store(LO + bh * T + t, big, mask=mt)
-
-    @triton.jit(do_not_specialize=["n", "T"])
-    def merge_bwd(
-        Q, sq_b, sq_h, sq_t, sq_d, DO, sdo_b, sdo_h, sdo_t, sdo_d, OUT, so_b, so_h, so_t, so_d,
-        L, DQ, sdq_b, sdq_h, sdq_t, sdq_d,
-        K, V, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-        DK, DVS, sdk_b, sdk_h, sdk_t, sdk_d, sdv_b, sdv_h, sdv_t, sdv_d, adds,
-        n, T, H, REP, scale,
-        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, NMAX: tl.constexpr,
-    ):  # fmt: skip
-        bh = tl.program_id(1)
-        b, h = bh // H, bh % H
-        g = h // REP
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        d = tl.arange(0, BD)
-        mt = t < T
-        mq = mt[:, None] & (d < D)[None, :]
-        mv = mt[:, None] & (d < DV)[None, :]
-        q = tl.load(Q + b * sq_b + h * sq_h + t[:, None] * sq_t + d[None, :] * sq_d, mask=mq, other=0.0)
-        q = q.to(tl.float32)
-        do = tl.load(DO + b * sdo_b + h * sdo_h + t[:, None] * sdo_t + d[None, :] * sdo_d, mask=mv, other=0.0)
-        do = do.to(tl.float32)
-        o = tl.load(OUT + b * so_b + h * so_h + t[:, None] * so_t + d[None, :] * so_d, mask=mv, other=0.0)
-        dsum = tl.sum(do * o.to(tl.float32), 1)
-        big = tl.load(L + bh * T + t, mask=mt, other=0.0)
-        dq = tl.zeros([BT, BD], dtype=tl.float32)
-        koff = b * sk_b + g * sk_h + t[:, None] * sk_t + d[None, :] * sk_d
-        voff = b * sv_b + g * sv_h + t[:, None] * sv_t + d[None, :] * sv_d
-        # the outputs' head is the query head: with REP > 1 they are per-query-head (summed by the caller)
-        dkoff = b * sdk_b + h * sdk_h + t[:, None] * sdk_t + d[None, :] * sdk_d
-        dvoff = b * sdv_b + h * sdv_h + t[:, None] * sdv_t + d[None, :] * sdv_d
-        for j in tl.static_range(NMAX):
-            if j < n:
-                k = tl.load(K[j] + koff, mask=mq, other=0.0).to(tl.float32)
-                v = tl.load(V[j] + voff, mask=mv, other=0.0).to(tl.float32)
-                p = tl.exp(tl.sum(q * k, 1) * scale - big)
-                ds = p * (tl.sum(do * v, 1) - dsum)
-                dq += ds[:, None] * k
-                dk = ds[:, None] * q * scale
-                dv = p[:, None] * do
-                add = ((adds >> j) & 1) != 0
-                dk += tl.load(DK[j] + dkoff, mask=mq & add, other=0.0).to(tl.float32)
-                dv += tl.load(DVS[j] + dvoff, mask=mv & add, other=0.0).to(tl.float32)
-                tl.store(DK[j] + dkoff, dk.to(DK[j].dtype.element_ty), mask=mq)
-                tl.store(DVS[j] + dvoff, dv.to(DVS[j].dtype.element_ty), mask=mv)
-        dst = DQ + b * sdq_b + h * sdq_h + t[:, None] * sdq_t + d[None, :] * sdq_d
-        dq = tl.load(dst, mask=mq, other=0.0).to(tl.float32) + dq * scale
-        tl.store(dst, dq.to(DQ.dtype.element_ty), mask=mq)
-
-    return merge_fwd, merge_bwd
+    return ttt_merge_kernels.merge_fwd, ttt_merge_kernels.merge_bwd
