@@ -78,7 +78,7 @@ class _Project(torch.autograd.Function):
         xr = _rows(x)
         for dy, w in zip(dys, ws, strict=True):
             if dy is not None:
-                ctx.buf.mm(w, _rows(dy).T, xr)
+                ctx.buf.weight_grad(w, _rows(dy), xr)
         dx = _input_grad(dys, ws) if ctx.needs_input_grad[0] else None
         return (None if dx is None else dx.view(x.shape), None, *(None for _ in ws))
 
@@ -106,7 +106,7 @@ class _ProjectPair(torch.autograd.Function):
         xr, h, buf = _rows(xn), ctx.h, ctx.buf
         for dy, w in zip(dys, ws, strict=True):
             if dy is not None:
-                buf.mm(w, _rows(dy).T, xr)
+                buf.weight_grad(w, _rows(dy), xr)
                 buf.defer(("embedding", id(w)), _embedding_fixup(buf, w, gamma, h))
         dh = _input_grad(dys, ws, slice(h, None)) if ctx.needs_input_grad[2] else None
         shape = (*xn.shape[:-1], h)

@@ -58,12 +58,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["held", "at-once"])
 @pytest.mark.parametrize("soft", [True, False], ids=["soft", "hard"])
 @pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_every_buffer_gradient_equals_plain_autograd(arch, soft):
+def test_every_buffer_gradient_equals_plain_autograd(arch, soft, held):
+    """held: each weight's uses made as one product when backward ends (short sequences' path, these
+    tests' 20 rows); at-once: each use's product made in its own backward (8K rows and more on a GPU)."""
     ref = _draft(arch)
     new = copy.deepcopy(ref)
     buf = GradBuffer(list(new.parameters()))
+    buf.hold_below_rows = buf.hold_below_rows if held else 0
     aux, ids, mask, probs = _batch(t=20)
     tids = ids.roll(-1, 1)
     kw = {"target_probs": probs} if soft else {}
@@ -84,6 +88,31 @@ def test_every_buffer_gradient_equals_plain_autograd(arch, soft):
             assert _rel(named[name].main_grad, p.grad) < 2e-6, name
     # the embedding half's gradient went to input_layernorm, none of it into a [T, H] product
     assert new.midlayer.input_layernorm.weight.main_grad.abs().sum() > 0
+
+
+def test_held_weight_gradients_are_whole_when_backward_returns_and_a_second_backward_adds():
+    """Two micro-batches, two backward passes, one step: each pass makes its held products before it
+    returns (the memory probe, which never calls finish, measures them), and the second adds to the first."""
+    ref = _draft("llama")
+    new = copy.deepcopy(ref)
+    buf = GradBuffer(list(new.parameters()))
+    batches = [_batch(t=20), _batch(seed=2, t=12)]
+    for aux, ids, mask, probs in batches:
+        ttt_loss(ref, aux, ids, ids.roll(-1, 1), mask, 4, target_probs=probs)[0].backward()
+    buf.begin()
+    q = new.midlayer.self_attn.q_proj.weight
+    for n, (aux, ids, mask, probs) in enumerate(batches):
+        ttt_loss(new, aux, ids, ids.roll(-1, 1), mask, 4, target_probs=probs)[0].backward()
+        assert not buf._held  # nothing waits for finish
+        if n == 0:
+            first = q.main_grad.clone()
+            assert first.abs().sum() > 0
+    assert not torch.equal(q.main_grad, first)  # the second pass added, it did not overwrite
+    buf.finish()
+    named = dict(new.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            assert _rel(named[name].main_grad, p.grad) < 2e-6, name
 
 
 def test_a_probe_between_steps_leaves_the_next_steps_gradients_whole():
