@@ -26,13 +26,14 @@ import torch.distributed as dist
 ADDMM_FP32_OUT = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
-# A linear's weight gradient per use is an fp32 read-modify-write of the whole gradient (cuBLAS beta=1,
-# a 3-stage kernel where beta=0 gets 4) over K = the use's rows. The draft's layer is used 7 times a step
-# (TTT), so for short sequences that write is a large part of each product: uses of fewer rows than this
-# are held and made as one product over all 7 (`GradBuffer.flush`). Every use held, against every use made
-# at once, on one H200 at Kimi-K2.5 shapes, the whole step (docs/training.md, issue 21's seventh session):
-# +2.9% at 2K tokens, +0.3% at 8K, -0.3% at 16K (the concatenations, ~6 ms at 8K, eat the GEMMs' gain),
-# peak memory the same at all three. So from 8K rows on each use is made at once, as before.
+# A linear's weight gradient per use is an fp32 read-modify-write of the whole gradient over K = the use's
+# rows (cuBLAS beta=1; in session 2's 8K profile the fp32-output weight gradients ran at 661-674 TFLOP/s,
+# the forward products of the same sizes at 688-726). The draft's layer is used 7 times a step (TTT), so
+# for short sequences that write is a large part of each product: uses of fewer rows than this are held
+# and made as one product over all 7 (`GradBuffer.flush`). Every use held, against every use made at once,
+# on one H200 at Kimi-K2.5 shapes, the whole step (docs/training.md, issue 21's seventh session): +2.9% at
+# 2K tokens, +0.3% at 8K, -0.3% at 16K (the concatenations, ~6 ms at 8K, eat the GEMMs' gain), peak
+# memory the same at all three. So from 8K rows on each use is made at once, as before.
 HOLD_BELOW_ROWS = 8192
 
 
@@ -48,6 +49,7 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool
 
 class GradBuffer:
     """The fp32 gradients of `params` (the trainable ones), as `p.main_grad` views into `self.flat`.
+    `hold_below_rows`: linear uses of fewer rows are held to the end of backward (`weight_grad`).
     A step: `begin()`, forward and backward (linear.py, loss.py write through `mm` and `add`), `finish()`;
     then `self.flat` holds every gradient."""
 
@@ -98,8 +100,8 @@ class GradBuffer:
 
     def flush(self) -> None:
         """The held uses, one GEMM per parameter over the rows of all of them (K = uses x rows). The rows
-        several parameters read (q/k/v's input, gate/up's) are concatenated once; each parameter's
-        operands are let go as soon as its product is queued, so at most one set is alive."""
+        several parameters read (q/k/v's input, gate/up's) are concatenated once, and each parameter's
+        operands are let go once its product is queued: one concatenated set is alive at a time."""
         held, self._held = self._held, {}
         last_ins, last_x = None, None
         for p, uses in held.values():
