@@ -50,8 +50,8 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool
 class GradBuffer:
     """The fp32 gradients of `params` (the trainable ones), as `p.main_grad` views into `self.flat`.
     `hold_below_rows`: linear uses of fewer rows are held to the end of backward (`weight_grad`).
-    A step: `begin()`, forward and backward (linear.py, loss.py write through `mm` and `add`), `finish()`;
-    then `self.flat` holds every gradient."""
+    A step: `begin()`, forward and backward (linear.py writes through `weight_grad`, loss.py through
+    `add`), `finish()`; then `self.flat` holds every gradient."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = [p for p in params if p.requires_grad]
