@@ -1,10 +1,10 @@
 """How the draft's hot functions are compiled: one owner for every torch.compile in the trainer.
 
 The trainer compiles a few small functions on CUDA (the RMSNorm, the rotary, the SwiGLU, the layer
-input's scaled concatenation, the loss's chunk math, flex attention and its block masks) and leaves
-the matmuls to cuBLAS, the causal attention to cuDNN or FlashAttention and the TTT diagonal merge to
-its own Triton kernels (ttt_merge.py: one build for every number of keys, where a compiled graph
-would be one per number).
+input's scaled concatenation, flex attention and its block masks) and leaves the matmuls to cuBLAS,
+the causal attention to cuDNN or FlashAttention, and the TTT diagonal merge and the head loss's chunk
+math to their own Triton kernels (ttt_merge.py: one build for every number of keys, where a compiled
+graph would be one per number; loss_kernel.py).
 Each is compiled through `compiled(fn)`, so how they are compiled is chosen in one place:
 
 - `dynamic="auto"` (torch's `dynamic=None`): the first call compiles for its exact shapes; the first

@@ -19,18 +19,21 @@ from __future__ import annotations
 import torch
 
 from regen_service.train.chunks import chunk_rows
-from regen_service.train.compiled import fused_on, mark_lengths
 from regen_service.train.grads import mm_into, owner
+from regen_service.train.loss_kernel import chunk_math_, scale_
 
-# logits elements per chunk at most: 1 GiB in bf16 (logits and their gradient alive, fp32 math fused in
-# between). Fewer chunks, fewer passes of the fp32 weight gradient through the GEMM's epilogue: 4 equal
-# chunks over the 7 TTT steps of an 8K sequence at a 32K draft vocabulary (8388 rows a chunk before: 7)
-CHUNK_ELEMS = 1 << 29
+# logits elements per chunk at most: 2 GiB in bf16, the gradient written over them on CUDA (loss_kernel),
+# so the chunk holds what a 1 GiB chunk and its separate gradient held before. Fewer chunks, fewer passes
+# of the fp32 weight gradient through the GEMM's epilogue: 2 equal chunks over the 7 TTT steps of an 8K
+# sequence at a 32K draft vocabulary, 4 at 16K (on an H200 at Kimi-K2.5 shapes, 16K: +0.5% a step
+# against 2^29, +1.5 GiB of peak)
+CHUNK_ELEMS = 1 << 30
 
 
 def _chunk_math(logits, probs, rows, ids, rw: torch.Tensor):
     """-> (CE per row, argmax, dL/dlogits weighted by rw, in logits' dtype). fp32 math inside. Soft
-    targets are probs[rows], read in here (compiled, the gather is fused into the loads: no copy)."""
+    targets are probs[rows]. The CPU's path; on CUDA loss_kernel.chunk_math_ computes the same in one
+    kernel."""
     z = logits.float()
     lse = torch.logsumexp(z, -1, keepdim=True)
     sm = torch.exp(z - lse)
@@ -49,7 +52,9 @@ class _FusedHeadLoss(torch.autograd.Function):
     def forward(ctx, x, w, rw, probs, prob_rows, ids, buf, grad_on):
         n, v = x.shape[0], w.shape[0]
         chunk = chunk_rows(n, v, CHUNK_ELEMS)
-        math = fused_on(x, _chunk_math)
+        # CUDA: one Triton kernel, the gradient written over the logits (loss_kernel.py); else the
+        # plain math (the CPU tests')
+        math = chunk_math_ if x.is_cuda else _chunk_math
         # needs_input_grad reads True under no_grad too (an evaluation): no gradient made there
         want_x, want_w = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
         gx = torch.empty_like(x) if want_x else None
@@ -65,8 +70,6 @@ class _FusedHeadLoss(torch.autograd.Function):
             gw = torch.empty(w.shape, dtype=torch.float32, device=w.device)
         ce_all = torch.empty(n, dtype=torch.float32, device=x.device)
         arg_all = torch.empty(n, dtype=torch.int64, device=x.device)
-        if probs is not None:
-            mark_lengths((probs, 0))
         if gw is not None and n == 0:
             gw.zero_()
         for s in range(0, n, chunk):
@@ -75,7 +78,6 @@ class _FusedHeadLoss(torch.autograd.Function):
             rows = prob_rows[s : s + chunk] if probs is not None else None
             idc = ids[s : s + chunk] if ids is not None else None
             rwc = rw[s : s + chunk]
-            mark_lengths((logits, 0), (rows, 0), (idc, 0), (rwc, 0))
             ce, arg, g = math(logits, probs, rows, idc, rwc)
             ce_all[s : s + chunk], arg_all[s : s + chunk] = ce, arg
             if gx is not None:
@@ -94,10 +96,10 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _ce, _arg):
         gx, gw = ctx.saved_tensors
-        dx = gx.mul_(g.to(gx.dtype)) if gx is not None else None  # ours alone, backward runs once
+        dx = scale_(gx, g) if gx is not None else None  # ours alone, backward runs once
         dw = None  # through autograd only without a buffer
         if ctx.direct:
-            ctx.w.main_grad.mul_(g.float())
+            scale_(ctx.w.main_grad, g)
         elif ctx.buf is not None and gw is not None:
             ctx.buf.add(ctx.w, gw, scale=g.float())
         elif gw is not None:

@@ -5,8 +5,9 @@ its full LM head, which gives the target's greedy next token over the whole voca
 over the draft vocabulary (the soft targets, softmaxed by the trainer). HFTarget gets the hidden state
 already normed from its decoder and calls `head_outputs`; engine_target.VllmTarget reads the last
 layer's residual stream from the engine and calls `target_step`; scripts/bench_train.py times
-`target_step` inside its whole training step, so the benchmark runs the code training runs. Imports
-torch only (the benchmark runs on a bare GPU host).
+`target_step` inside its whole training step, so the benchmark runs the code training runs. On CUDA
+the argmax and the draft columns come from one Triton kernel per chunk (target_kernels.py). Imports
+torch (and triton on CUDA, which CUDA torch ships: the benchmark runs on a bare GPU host).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from regen_service.train.chunks import chunk_rows
+from regen_service.train.target_kernels import argmax_select_
 
 # Logits elements per position chunk: Kimi-K2.5's head is 163,840 wide, so [T, V] logits of an 8K
 # sequence would be 2.7 GB in bf16; a chunk of 2^27 elements is 256 MiB (819 positions) and a large GEMM.
@@ -48,6 +50,9 @@ def head_outputs(
     chunk = chunk_rows(b * t, head.shape[0], HEAD_CHUNK_ELEMS)
     for s in range(0, b * t, chunk):
         logits = x[s : s + chunk] @ head.T
+        if x.is_cuda:  # one kernel reads the chunk for both (target_kernels.py)
+            argmax_select_(logits, cols, pred[s : s + chunk], None if draft is None else draft[s : s + chunk])
+            continue
         pred[s : s + chunk] = logits.argmax(-1)
         if draft is not None:
             draft[s : s + chunk] = logits.index_select(1, cols)

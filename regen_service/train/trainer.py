@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 from regen_service.draft.config import DraftConfig
 from regen_service.train import compiled, flash_ttt, flexattn
+from regen_service.train.adamw import MasterAdamW
 from regen_service.train.dist import DistContext, all_reduce_mean
 from regen_service.train.lengths import compile_counts
 from regen_service.train.model import Eagle3Draft
 from regen_service.train.optim import MasterWeights
 from regen_service.train.rope import scaling_type
+from regen_service.train.target_kernels import softmax_to
 from regen_service.train.ttt import TTTModule
 
 log = logging.getLogger(__name__)
@@ -215,11 +217,11 @@ class DraftTrainer:
                         dist.broadcast(p, 0)
         self.masters = MasterWeights(list(self.draft.parameters()))
         self.fused_opt = ctx.device.type == "cuda"
-        # fused: one kernel over all fp32 masters on CUDA (the update is memory-bound: ~12 GB a step at
-        # Llama-8B draft shapes), where foreach launches several passes
-        self.opt = torch.optim.AdamW(
-            self.masters.masters, lr=cfg.optimisation.lr, betas=tuple(cfg.optimisation.betas), weight_decay=cfg.optimisation.weight_decay,
-            fused=self.fused_opt,
+        # CUDA: one Triton pass per parameter that also writes its bf16 copy (adamw.py; the update is
+        # memory-bound, ~34 GB a step at Kimi-K2.5 draft shapes); torch's fused AdamW where it falls back
+        self.opt = MasterAdamW(
+            self.masters.masters, self.masters.params, lr=cfg.optimisation.lr, betas=tuple(cfg.optimisation.betas),
+            weight_decay=cfg.optimisation.weight_decay, fused=self.fused_opt,
         )  # fmt: skip
         warmup = max(1, int(total_steps * cfg.optimisation.warmup_ratio))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -234,8 +236,10 @@ class DraftTrainer:
     def target_probs(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The target's distribution over the draft vocabulary (softmax of its draft-row logits), in the
         parameters' dtype: what soft targets train on."""
-        p = torch.softmax(draft_logits.to(self.ctx.device, torch.float32), -1)
-        return p.to(self.draft.lm_head.weight.dtype)
+        dtype = self.draft.lm_head.weight.dtype
+        if self.ctx.device.type == "cuda":  # one kernel, fp32 inside (target_kernels.py)
+            return softmax_to(draft_logits.to(self.ctx.device), dtype)
+        return torch.softmax(draft_logits.to(self.ctx.device, torch.float32), -1).to(dtype)
 
     def train_batch(
         self,
@@ -261,8 +265,7 @@ class DraftTrainer:
         grads.all_reduce_mean(self.ctx.world)
         metrics["grad_norm"] = norm = grads.norm()
         self._clip(norm, self.cfg.optimisation.grad_clip)
-        self.opt.step()
-        self.masters.to_params()
+        self.opt.step()  # the bf16 parameters too
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
