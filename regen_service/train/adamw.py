@@ -100,7 +100,8 @@ class MasterAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        assert closure is None, "MasterAdamW takes no closure"
+        if closure is not None:  # the trainer never passes one; an LBFGS-style caller would lose it silently
+            raise ValueError("MasterAdamW.step takes no closure: compute the loss and backward before step()")
         todo = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not todo or not all(self._takes(g, p) for g, p in todo):
             return self._torch_step()
