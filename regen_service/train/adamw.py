@@ -12,7 +12,7 @@ fp32: g = grad / grad_scale; p -= lr * wd * p; m = b1 m + (1 - b1) g; v = b2 v +
 p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). It is a `torch.optim.AdamW`: the same
 param groups, the same state (`step` a float32 tensor on the parameter's device, `exp_avg`, `exp_avg_sq`),
 so its `state_dict` loads into either and the LR schedulers drive it. The step count lives on the host too
-(read once from the state after a load), so a step never waits on the GPU. CPU tensors, and anything the
+(read once per parameter from the state after a load), so a step never waits on the GPU. CPU tensors, and anything the
 kernel does not take (amsgrad, maximize, a non-fp32 master), run torch's own step and the copy.
 Imports torch; triton only on CUDA.
 """
@@ -84,17 +84,18 @@ class MasterAdamW(torch.optim.AdamW):
     def __init__(self, masters: list[torch.Tensor], shadows: list[torch.Tensor], **kw):
         super().__init__(masters, **kw)
         self._shadow = {id(m): s for m, s in zip(masters, shadows, strict=True)}
-        self._host_step: int | None = None
+        self._host_steps: dict[int, int] = {}  # id(master) -> its step count, as its state holds it
         self.grad_scale: torch.Tensor | None = None
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
-        self._host_step = None
+        self._host_steps.clear()  # read again from the loaded state, once per parameter
 
     def _takes(self, group: dict, p: torch.Tensor) -> bool:
         return (
             p.is_cuda and p.dtype == torch.float32 and p.is_contiguous() and p.grad is not None
-            and p.grad.is_contiguous() and not group["amsgrad"] and not group["maximize"]
+            and p.grad.dtype == torch.float32 and p.grad.is_contiguous() and not group["amsgrad"]
+            and not group["maximize"]
             and not torch.is_complex(p)
         )  # fmt: skip
 
@@ -105,11 +106,6 @@ class MasterAdamW(torch.optim.AdamW):
         todo = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not todo or not all(self._takes(g, p) for g, p in todo):
             return self._torch_step()
-        params = [p for _, p in todo]
-        if self._host_step is None:  # once per process or load: the count the state holds
-            st = self.state.get(params[0], {})
-            self._host_step = int(st["step"].item()) if "step" in st else 0
-        self._host_step += 1
         steps = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
@@ -121,20 +117,23 @@ class MasterAdamW(torch.optim.AdamW):
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if id(p) not in self._host_steps:  # a sync once per parameter and load, not per step
+                    self._host_steps[id(p)] = int(st["step"].item())
+                self._host_steps[id(p)] += 1
                 steps.append(st["step"])
                 shadow = self._shadow.get(id(p))
                 out = shadow if shadow is not None and shadow is not p else None
                 adamw_(
                     p, p.grad, st["exp_avg"], st["exp_avg_sq"], out, self.grad_scale,
                     lr=float(group["lr"]), weight_decay=group["weight_decay"], beta1=b1, beta2=b2,
-                    eps=group["eps"], step=self._host_step,
+                    eps=group["eps"], step=self._host_steps[id(p)],
                 )  # fmt: skip
         torch._foreach_add_(steps, 1.0)
         return None
 
     def _torch_step(self):
         """torch's own AdamW, then the shadows copied from the masters."""
-        self._host_step = None
+        self._host_steps.clear()
         super().step()
         for group in self.param_groups:
             for p in group["params"]:

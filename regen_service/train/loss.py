@@ -22,12 +22,12 @@ from regen_service.train.chunks import chunk_rows
 from regen_service.train.grads import mm_into, owner
 from regen_service.train.loss_kernel import chunk_math_, scale_
 
-# logits elements per chunk at most: 2 GiB in bf16, the gradient written over them on CUDA (loss_kernel),
-# so the chunk holds what a 1 GiB chunk and its separate gradient held before. Fewer chunks, fewer passes
-# of the fp32 weight gradient through the GEMM's epilogue: 2 equal chunks over the 7 TTT steps of an 8K
-# sequence at a 32K draft vocabulary, 4 at 16K (on an H200 at Kimi-K2.5 shapes, 16K: +0.5% a step
-# against 2^29, +1.5 GiB of peak)
-CHUNK_ELEMS = 1 << 30
+# logits elements per chunk at most where the gradient is a tensor of its own (the CPU's math): 1 GiB in
+# bf16. On CUDA the gradient is written over the logits (loss_kernel), so the same bytes hold a chunk twice
+# as long: fewer chunks, fewer passes of the fp32 weight gradient through the GEMM's epilogue (2 equal
+# chunks over the 7 TTT steps of an 8K sequence at a 32K draft vocabulary, 4 at 16K; on an H200 at
+# Kimi-K2.5 shapes, 16K: +0.5% a step against chunks of 2^29, +1.5 GiB of peak)
+CHUNK_ELEMS = 1 << 29
 
 
 def _chunk_math(logits, probs, rows, ids, rw: torch.Tensor):
@@ -51,7 +51,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, rw, probs, prob_rows, ids, buf, grad_on):
         n, v = x.shape[0], w.shape[0]
-        chunk = chunk_rows(n, v, CHUNK_ELEMS)
+        chunk = chunk_rows(n, v, 2 * CHUNK_ELEMS if x.is_cuda else CHUNK_ELEMS)
         # CUDA: one Triton kernel, the gradient written over the logits (loss_kernel.py); else the
         # plain math (the CPU tests')
         math = chunk_math_ if x.is_cuda else _chunk_math

@@ -60,7 +60,7 @@ def test_state_moves_between_it_and_torch_adamw():
     params1, masters1 = _pair(1)
     back = MasterAdamW(masters1, params1, **KW)
     back.load_state_dict(plain.state_dict())
-    assert back._host_step is None  # read again from the loaded state at the next step
+    assert not back._host_steps  # read again from the loaded state at the next step
     assert set(back.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
@@ -68,3 +68,52 @@ def test_a_closure_is_refused():
     params, masters = _pair()
     with pytest.raises(ValueError, match="closure"):
         MasterAdamW(masters, params, **KW).step(lambda: 0.0)
+
+
+def _kernel_math(p, g, m, v, out, grad_scale, *, lr, weight_decay, beta1, beta2, eps, step):
+    """adamw_'s Triton kernel, line for line in torch: what the CUDA path computes per entry."""
+    g = g / grad_scale if grad_scale is not None else g
+    p.sub_(lr * weight_decay * p)
+    m.mul_(beta1).add_((1 - beta1) * g)
+    v.mul_(beta2).add_((1 - beta2) * g * g)
+    p.sub_(lr / (1 - beta1**step) * m / (v.sqrt() / (1 - beta2**step) ** 0.5 + eps))
+    if out is not None:
+        out.copy_(p)
+
+
+def test_the_kernel_path_counts_steps_per_parameter_and_across_a_load(monkeypatch):
+    """The CUDA path's bookkeeping (state laid out as torch's fused AdamW, the step count on the host, read
+    back once after a load, the shadows written, grad_scale divided in), run here with the kernel's math in
+    torch, against torch's fused AdamW (its CPU kernel) with the same grad_scale."""
+    import regen_service.train.adamw as A
+
+    monkeypatch.setattr(A, "adamw_", _kernel_math)
+    monkeypatch.setattr(MasterAdamW, "_takes", lambda self, group, p: p.grad is not None)
+    params, masters = _pair()
+    ref = [torch.nn.Parameter(m.detach().clone()) for m in masters]
+    opt, ref_opt = MasterAdamW(masters, params, **KW), torch.optim.AdamW(ref, fused=True, **KW)
+    scale = torch.tensor(1.7)
+    opt.grad_scale = ref_opt.grad_scale = scale
+    for step in range(3):
+        _grads(masters, step)
+        _grads(ref, step)
+        opt.step()
+        ref_opt.step()
+    for p, m, r in zip(params, masters, ref, strict=True):
+        assert torch.allclose(m, r, rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, m.detach().to(torch.bfloat16))
+    assert [float(opt.state[m]["step"]) for m in masters] == [3.0, 3.0]
+    params2, masters2 = _pair(5)
+    resumed = MasterAdamW(masters2, params2, **KW)
+    with torch.no_grad():
+        for a, b in zip(masters2, masters, strict=True):
+            a.copy_(b)
+    resumed.load_state_dict(opt.state_dict())
+    resumed.grad_scale = scale
+    _grads(masters2, 3)
+    _grads(ref, 3)
+    resumed.step()  # the 4th step's bias correction, from the loaded count
+    ref_opt.step()
+    for m, r in zip(masters2, ref, strict=True):
+        assert torch.allclose(m, r, rtol=1e-6, atol=1e-7)
+    assert resumed._host_steps == {id(m): 4 for m in masters2}
