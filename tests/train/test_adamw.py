@@ -26,15 +26,21 @@ def _grads(masters, seed):
         m.grad = torch.randn(m.shape, generator=g)
 
 
+def _steps(opt, masters, ref_opt, ref, seeds) -> None:
+    """One step of each optimizer per seed, both on the same gradients."""
+    for seed in seeds:
+        _grads(masters, seed)
+        _grads(ref, seed)
+        opt.step()
+        ref_opt.step()
+
+
 def test_step_updates_the_masters_as_adamw_and_writes_their_bf16_copies():
     params, masters = _pair()
     ref = [torch.nn.Parameter(m.detach().clone()) for m in masters]
     opt, ref_opt = MasterAdamW(masters, params, **KW), torch.optim.AdamW(ref, **KW)
-    for step in range(3):
-        _grads(masters, step)
-        _grads(ref, step)
-        opt.step()
-        ref_opt.step()
+    for seed in range(3):
+        _steps(opt, masters, ref_opt, ref, [seed])
         for p, m, r in zip(params, masters, ref, strict=True):
             assert torch.equal(m, r)
             assert p.dtype == torch.bfloat16 and torch.equal(p, m.detach().to(torch.bfloat16))
@@ -94,11 +100,7 @@ def test_the_kernel_path_counts_steps_per_parameter_and_across_a_load(monkeypatc
     opt, ref_opt = MasterAdamW(masters, params, **KW), torch.optim.AdamW(ref, fused=True, **KW)
     scale = torch.tensor(1.7)
     opt.grad_scale = ref_opt.grad_scale = scale
-    for step in range(3):
-        _grads(masters, step)
-        _grads(ref, step)
-        opt.step()
-        ref_opt.step()
+    _steps(opt, masters, ref_opt, ref, range(3))
     for p, m, r in zip(params, masters, ref, strict=True):
         assert torch.allclose(m, r, rtol=1e-6, atol=1e-7)
         assert torch.equal(p, m.detach().to(torch.bfloat16))
@@ -110,10 +112,7 @@ def test_the_kernel_path_counts_steps_per_parameter_and_across_a_load(monkeypatc
             a.copy_(b)
     resumed.load_state_dict(opt.state_dict())
     resumed.grad_scale = scale
-    _grads(masters2, 3)
-    _grads(ref, 3)
-    resumed.step()  # the 4th step's bias correction, from the loaded count
-    ref_opt.step()
+    _steps(resumed, masters2, ref_opt, ref, [3])  # the 4th step's bias correction, from the loaded count
     for m, r in zip(masters2, ref, strict=True):
         assert torch.allclose(m, r, rtol=1e-6, atol=1e-7)
     assert resumed._host_steps == {id(m): 4 for m in masters2}
