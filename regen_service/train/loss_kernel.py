@@ -9,11 +9,12 @@ of 8,192 rows, 32,000 wide), ~3x what its bytes need. Here one program owns one 
 - pass 1 reads the row's logits once: per lane the running max, its first index and the running sum of
   exp (online log-sum-exp), in fp32, reduced across lanes at the end (the max's first column overall:
   torch's argmax tie rule);
-- pass 2 reads them again (the row, 64 KB, is still in L2) with the target's row (soft: probs[rows[r]],
+- pass 2 reads them again (the row, 64 KB, was just read: mostly from L2) with the target's row (soft: probs[rows[r]],
   read through the index, nothing gathered; hard: the one id), sums ce = sum p (lse - z) as the compiled
   math does, and writes the weighted gradient over the logits, in place: no second [R, V] tensor.
 
-`scale_` is the backward's multiply by the incoming gradient, vectorized.
+On an H200, a [14336, 32000] chunk: 0.88 ms against the compiled math's 1.41 (soft targets). `scale_` is
+the backward's multiply by the incoming gradient, vectorized.
 
 Same formulas as `loss._chunk_math`, fp32 inside, the gradient rounded once to the logits' dtype; the
 device numerics mode (scripts/bench_train.py --mode numerics) holds the head loss to the reference.

@@ -5,10 +5,12 @@ takes two things from them: the greedy next token over the whole vocabulary and 
 vocabulary's columns. With torch that was an argmax (aten's bf16 reduction: 1.6 ms a step at Kimi-K2.5
 shapes, 8K tokens, a 163,840-wide head; 1.5 TB/s), an index_select and a cast into the fp32 output.
 `argmax_select_` is one program per position: a pass over the row for the max and its first index
-(per lane, reduced across lanes at the end: torch's tie rule), then the draft columns read back through their ids (L2-resident: the row is 320 KB)
-and written in fp32. `softmax_to` is the trainer's soft targets (softmax of those logits, fp32 math, in
-the draft parameters' dtype) in one kernel: online log-sum-exp in a first pass, the probabilities
-written in the second, where torch ran a softmax into fp32 and then a cast.
+(per lane, reduced across lanes at the end: torch's tie rule), then the draft columns read back through
+their ids (the 320 KB row was just read, mostly from L2) and written in fp32: 0.144 ms against torch's
+0.301 per [780, 163840] chunk on an H200, the same values. `softmax_to` is the trainer's soft targets
+(softmax of those logits, fp32 math, in the draft parameters' dtype) in one kernel: online log-sum-exp
+in a first pass, the probabilities written in the second, where torch ran a softmax into fp32 and then a
+cast (0.585 ms against 1.21 at [8192, 32000]).
 
 Both take CUDA tensors whose rows are contiguous; target_head.py and trainer.py call them on CUDA and
 keep torch's ops elsewhere. Imports torch; triton when first called.
