@@ -14,21 +14,26 @@ of torch's fused AdamW after 3 steps. It is a `torch.optim.AdamW`: the same para
 state (`step` a float32 tensor on the parameter's device, `exp_avg`, `exp_avg_sq`), so its `state_dict`
 loads into either and the LR schedulers drive it. Each parameter's step count lives on the host too (read
 once from the state after a load), so a step never waits on the GPU. CPU tensors, and anything the kernel
-does not take (amsgrad, maximize, a non-fp32 master or gradient), run torch's own step and the copy.
+does not take (amsgrad, maximize, a non-fp32 master or gradient), run torch's own step and then
+`MasterWeights.to_params`.
 Imports torch; triton only on CUDA.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from regen_service.train.optim import MasterWeights
 
 # entries per program, warps: 1024 to 8192 entries ran within 3% of each other on an H200 (8.44-8.69 ms)
 BLOCK = 2048
 NUM_WARPS = 8
 
 
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -59,19 +64,13 @@ def _kernel():
     return adamw_kernel
 
 
-_KERNEL = None
-
-
 def adamw_(p, g, m, v, out, grad_scale, *, lr, weight_decay, beta1, beta2, eps, step: int) -> None:
     """One AdamW update of fp32 p, m, v (contiguous, CUDA) from g (/ grad_scale, a 1-entry fp32 tensor,
     or None); out (or None): p's copy in the parameter's dtype, written from the updated fp32 values."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _kernel()
     n = p.numel()
     bc1 = 1.0 - beta1**step
     bc2 = 1.0 - beta2**step
-    _KERNEL[(math.ceil(n / BLOCK),)](
+    _kernel()[(math.ceil(n / BLOCK),)](
         p, g, m, v, out if out is not None else p, grad_scale if grad_scale is not None else p, n,
         lr, lr * weight_decay, beta1, beta2, lr / bc1, math.sqrt(bc2), eps,
         HAS_SCALE=grad_scale is not None, HAS_OUT=out is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
@@ -79,13 +78,15 @@ def adamw_(p, g, m, v, out, grad_scale, *, lr, weight_decay, beta1, beta2, eps, 
 
 
 class MasterAdamW(torch.optim.AdamW):
-    """torch's AdamW over fp32 masters whose `shadows` (the bf16 parameters, one per master, or the master
-    itself where it is its own parameter) the step also writes. `grad_scale` (a 1-entry tensor, or None),
-    set before `step` as on torch's fused AdamW: each gradient is divided by it as it is read."""
+    """torch's AdamW over a MasterWeights' fp32 masters (optim.py) whose bf16 parameters the step also
+    writes. `grad_scale` (a 1-entry tensor, or None), set before `step` as on torch's fused AdamW: each
+    gradient is divided by it as it is read."""
 
-    def __init__(self, masters: list[torch.Tensor], shadows: list[torch.Tensor], **kw):
-        super().__init__(masters, **kw)
-        self._shadow = {id(m): s for m, s in zip(masters, shadows, strict=True)}
+    def __init__(self, weights: MasterWeights, **kw):
+        super().__init__(weights.masters, **kw)
+        self._weights = weights
+        # id(master) -> the parameter the kernel writes, where the master is a copy (not its own parameter)
+        self._shadow = {id(m): p for m, p in zip(weights.masters, weights.params, strict=True) if m is not p}
         self._host_steps: dict[int, int] = {}  # id(master) -> its step count, as its state holds it
         self.grad_scale: torch.Tensor | None = None
 
@@ -93,12 +94,11 @@ class MasterAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         self._host_steps.clear()  # read again from the loaded state, once per parameter
 
-    def _takes(self, group: dict, p: torch.Tensor) -> bool:
+    @staticmethod
+    def _takes(group: dict, p: torch.Tensor) -> bool:
         return (
-            p.is_cuda and p.dtype == torch.float32 and p.is_contiguous() and p.grad is not None
-            and p.grad.dtype == torch.float32 and p.grad.is_contiguous() and not group["amsgrad"]
-            and not group["maximize"]
-            and not torch.is_complex(p)
+            p.is_cuda and p.dtype == torch.float32 and p.is_contiguous() and p.grad.dtype == torch.float32
+            and p.grad.is_contiguous() and not group["amsgrad"] and not group["maximize"]
         )  # fmt: skip
 
     @torch.no_grad()
@@ -107,38 +107,26 @@ class MasterAdamW(torch.optim.AdamW):
             raise ValueError("MasterAdamW.step takes no closure: compute the loss and backward before step()")
         todo = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not todo or not all(self._takes(g, p) for g, p in todo):
-            return self._torch_step()
+            self._host_steps.clear()
+            super().step()  # torch's own AdamW, then the masters' copies
+            self._weights.to_params()
+            return None
         steps = []
-        for group in self.param_groups:
+        for group, p in todo:
+            st = self.state[p]
+            if "step" not in st:  # as torch's fused AdamW lays its state out
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if id(p) not in self._host_steps:  # a sync once per parameter and load, not per step
+                self._host_steps[id(p)] = int(st["step"].item())
+            self._host_steps[id(p)] += 1
+            steps.append(st["step"])
             b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "step" not in st:  # as torch's fused AdamW lays its state out
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if id(p) not in self._host_steps:  # a sync once per parameter and load, not per step
-                    self._host_steps[id(p)] = int(st["step"].item())
-                self._host_steps[id(p)] += 1
-                steps.append(st["step"])
-                shadow = self._shadow.get(id(p))
-                out = shadow if shadow is not None and shadow is not p else None
-                adamw_(
-                    p, p.grad, st["exp_avg"], st["exp_avg_sq"], out, self.grad_scale,
-                    lr=float(group["lr"]), weight_decay=group["weight_decay"], beta1=b1, beta2=b2,
-                    eps=group["eps"], step=self._host_steps[id(p)],
-                )  # fmt: skip
+            adamw_(
+                p, p.grad, st["exp_avg"], st["exp_avg_sq"], self._shadow.get(id(p)), self.grad_scale,
+                lr=float(group["lr"]), weight_decay=group["weight_decay"], beta1=b1, beta2=b2,
+                eps=group["eps"], step=self._host_steps[id(p)],
+            )  # fmt: skip
         torch._foreach_add_(steps, 1.0)
         return None
-
-    def _torch_step(self):
-        """torch's own AdamW, then the shadows copied from the masters."""
-        self._host_steps.clear()
-        super().step()
-        for group in self.param_groups:
-            for p in group["params"]:
-                shadow = self._shadow.get(id(p))
-                if shadow is not None and shadow is not p:
-                    shadow.copy_(p)

@@ -69,6 +69,12 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def shutdown(ctx: DistContext) -> None:
+def shutdown(ctx: DistContext, finished: bool = True) -> None:
+    """Tear the process group down. finished: every rank got here past its last collective, so they meet at
+    a barrier first: a gloo rank whose peer destroyed the group and exited while it was still in its own
+    teardown was seen to abort ("terminate called without an active exception") after a finished run.
+    False (an exception on the way out): no barrier, which would wait forever on a rank that is gone."""
     if ctx.distributed and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()

@@ -36,7 +36,7 @@ from regen_service.state.storage import RunLayout, Storage
 from regen_service.train import data as D
 from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
-from regen_service.train.dist import DistContext, barrier, broadcast_object, init_distributed, shutdown
+from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
 from regen_service.train.eval_set import split_table
 from regen_service.train.lengths import bucketer
 from regen_service.train.memory import fit_check
@@ -97,15 +97,13 @@ def train_from_run(
     check_train_config(cfg, target_path)
     refuse_images_on_hf(settings, run_id, cfg)
     ctx = init_distributed(device)
+    finished = False
     try:
         summary = _Run(settings, run_id, target_path, out_dir, cfg, ctx, follow, group, consumer).run()
-        # every rank past its last collective before any tears the group down: a gloo rank whose peer
-        # destroyed the group and exited while it was still in its own teardown was seen to abort
-        # ("terminate called without an active exception") after a run that had finished
-        barrier(ctx)
+        finished = True
         return summary
     finally:
-        shutdown(ctx)
+        shutdown(ctx, finished)
 
 
 def refuse_images_on_hf(settings: Settings, run_id: str, cfg: TrainConfig) -> None:

@@ -23,6 +23,8 @@ Imports torch; triton when first called.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # logits per iteration of a row's loop, warps per row: the fastest of 7 configurations on an H200 at a
@@ -30,17 +32,9 @@ import torch
 BLOCK_V = 2048
 NUM_WARPS = 8
 
-_KERNELS = None
 
-
+@functools.cache
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
-
-
-def _build():
     import triton
     import triton.language as tl
 

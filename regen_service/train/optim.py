@@ -4,7 +4,8 @@
 all of them in one flat buffer (`grads`, grads.py: the linears and the head loss write their weight
 gradients there during backward). `to_masters()` closes the step's gradients (folds in what plain
 autograd left in `.grad`) and hands each master its fp32 view of the buffer as `.grad`, with no copy,
-before clipping and the AdamW step; `to_params()` writes the updated copies back in bf16. fp32
+before clipping and the AdamW step; `to_params()` writes the updated copies back in bf16 (on CUDA the
+optimizer, adamw.MasterAdamW, writes them in its own pass and calls this only when it falls back). fp32
 parameters (the CPU) are their own masters: nothing is copied. Frozen parameters (the target's
 embedding) get no copy and no gradient. The optimizer and its schedule are trainer.py's. Imports torch only.
 """

@@ -18,6 +18,8 @@ keep torch's ops elsewhere. Imports torch; triton when first called.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # (elements per iteration, warps per row): the fastest of 4-6 configurations each on an H200, at a
@@ -26,10 +28,9 @@ import torch
 ARGMAX = (2048, 4)
 SOFTMAX = (8192, 8)
 
-_KERNELS = None
 
-
-def _build():
+@functools.cache
+def _kernels():
     import triton
     import triton.language as tl
 
@@ -77,13 +78,6 @@ def _build():
             tl.store(out_ptr + r * stride_o + n0 + offs, p.to(out_ptr.dtype.element_ty), mask=inside)
 
     return argmax_select_kernel, softmax_kernel
-
-
-def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
 
 
 def argmax_select_(

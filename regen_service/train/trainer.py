@@ -220,7 +220,7 @@ class DraftTrainer:
         # CUDA: one Triton pass per parameter that also writes its bf16 copy (adamw.py; the update is
         # memory-bound, ~34 GB a step at Kimi-K2.5 draft shapes); torch's fused AdamW where it falls back
         self.opt = MasterAdamW(
-            self.masters.masters, self.masters.params, lr=cfg.optimisation.lr, betas=tuple(cfg.optimisation.betas),
+            self.masters, lr=cfg.optimisation.lr, betas=tuple(cfg.optimisation.betas),
             weight_decay=cfg.optimisation.weight_decay, fused=self.fused_opt,
         )  # fmt: skip
         warmup = max(1, int(total_steps * cfg.optimisation.warmup_ratio))

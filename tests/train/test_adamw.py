@@ -9,15 +9,17 @@ import pytest
 import torch
 
 from regen_service.train.adamw import MasterAdamW
+from regen_service.train.optim import MasterWeights
 
 KW = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _pair(seed=0):
+    """(MasterWeights over two bf16 parameters, its bf16 parameters, their fp32 masters)."""
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(5, 7, generator=g).to(torch.bfloat16)) for _ in range(2)]
-    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-    return params, masters
+    weights = MasterWeights(params)
+    return weights, weights.params, weights.masters
 
 
 def _grads(masters, seed):
@@ -36,9 +38,9 @@ def _steps(opt, masters, ref_opt, ref, seeds) -> None:
 
 
 def test_step_updates_the_masters_as_adamw_and_writes_their_bf16_copies():
-    params, masters = _pair()
+    weights, params, masters = _pair()
     ref = [torch.nn.Parameter(m.detach().clone()) for m in masters]
-    opt, ref_opt = MasterAdamW(masters, params, **KW), torch.optim.AdamW(ref, **KW)
+    opt, ref_opt = MasterAdamW(weights, **KW), torch.optim.AdamW(ref, **KW)
     for seed in range(3):
         _steps(opt, masters, ref_opt, ref, [seed])
         for p, m, r in zip(params, masters, ref, strict=True):
@@ -48,32 +50,30 @@ def test_step_updates_the_masters_as_adamw_and_writes_their_bf16_copies():
 
 def test_a_master_that_is_its_own_parameter_is_left_as_it_is():
     w = torch.nn.Parameter(torch.ones(3))
-    opt = MasterAdamW([w], [w], **KW)
+    opt = MasterAdamW(MasterWeights([w]), **KW)
     w.grad = torch.ones(3)
     opt.step()
     assert w.dtype == torch.float32 and float(w[0]) < 1.0
 
 
 def test_state_moves_between_it_and_torch_adamw():
-    params, masters = _pair()
-    opt = MasterAdamW(masters, params, **KW)
+    weights, _, masters = _pair()
+    opt = MasterAdamW(weights, **KW)
     for step in range(2):
         _grads(masters, step)
         opt.step()
     plain = torch.optim.AdamW([torch.nn.Parameter(m.detach().clone()) for m in masters], **KW)
     plain.load_state_dict(opt.state_dict())
     assert float(plain.state[plain.param_groups[0]["params"][0]]["step"]) == 2.0
-    params1, masters1 = _pair(1)
-    back = MasterAdamW(masters1, params1, **KW)
+    back = MasterAdamW(_pair(1)[0], **KW)
     back.load_state_dict(plain.state_dict())
     assert not back._host_steps  # read again from the loaded state at the next step
     assert set(back.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_a_closure_is_refused():
-    params, masters = _pair()
     with pytest.raises(ValueError, match="closure"):
-        MasterAdamW(masters, params, **KW).step(lambda: 0.0)
+        MasterAdamW(_pair()[0], **KW).step(lambda: 0.0)
 
 
 def _kernel_math(p, g, m, v, out, grad_scale, *, lr, weight_decay, beta1, beta2, eps, step):
@@ -94,10 +94,10 @@ def test_the_kernel_path_counts_steps_per_parameter_and_across_a_load(monkeypatc
     import regen_service.train.adamw as A
 
     monkeypatch.setattr(A, "adamw_", _kernel_math)
-    monkeypatch.setattr(MasterAdamW, "_takes", lambda self, group, p: p.grad is not None)
-    params, masters = _pair()
+    monkeypatch.setattr(MasterAdamW, "_takes", staticmethod(lambda group, p: True))
+    weights, params, masters = _pair()
     ref = [torch.nn.Parameter(m.detach().clone()) for m in masters]
-    opt, ref_opt = MasterAdamW(masters, params, **KW), torch.optim.AdamW(ref, fused=True, **KW)
+    opt, ref_opt = MasterAdamW(weights, **KW), torch.optim.AdamW(ref, fused=True, **KW)
     scale = torch.tensor(1.7)
     opt.grad_scale = ref_opt.grad_scale = scale
     _steps(opt, masters, ref_opt, ref, range(3))
@@ -105,8 +105,8 @@ def test_the_kernel_path_counts_steps_per_parameter_and_across_a_load(monkeypatc
         assert torch.allclose(m, r, rtol=1e-6, atol=1e-7)
         assert torch.equal(p, m.detach().to(torch.bfloat16))
     assert [float(opt.state[m]["step"]) for m in masters] == [3.0, 3.0]
-    params2, masters2 = _pair(5)
-    resumed = MasterAdamW(masters2, params2, **KW)
+    weights2, _, masters2 = _pair(5)
+    resumed = MasterAdamW(weights2, **KW)
     with torch.no_grad():
         for a, b in zip(masters2, masters, strict=True):
             a.copy_(b)
