@@ -178,10 +178,12 @@ def _numerics_case(
 
 
 def bench_numerics(a) -> dict:
-    """--attention auto: flex (fp32 and bf16) and flash; flash | cudnn | flex: that path's bf16 cases alone."""
+    """--attention auto: flex (fp32 and bf16) and flash; fa4 | flash | cudnn | flex: that path's bf16 cases
+    alone."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.attention in ("flash", "cudnn", "flex"):
-        mla = (False, True) if a.attention != "cudnn" else (False,)  # cuDNN here: qk head dim <= 128
+    if a.attention in ("fa4", "flash", "cudnn", "flex"):
+        # cuDNN and FlashAttention-4 here: qk head dim <= 128, so the Llama-style draft alone
+        mla = (False, True) if a.attention not in ("cudnn", "fa4") else (False,)
         out = [_numerics_case(t, torch.bfloat16, soft, dev, m, a.attention)
                for m in mla for t, soft in ((256, True), (300, False))]  # fmt: skip
         return {"mode": "numerics", "cases": out}

@@ -69,8 +69,10 @@ class ModelConfig(_Section):
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    # draft attention in training: "flex" (block-sparse, CUDA), "eager" (the reference), "auto" = flex on CUDA
-    attention: Literal["auto", "cudnn", "flash", "flex", "eager"] = "auto"
+    # draft attention in training (layers.py, flash_ttt.py): "fa4" (FlashAttention-4, the optional
+    # flash-attn-4 package, Hopper and later), "cudnn", "flash" (FlashAttention-2), "flex" (block-sparse),
+    # "eager" (the reference, the CPU's); "auto" = the first of those that runs here (trainer.AUTO_ORDER)
+    attention: Literal["auto", "fa4", "cudnn", "flash", "flex", "eager"] = "auto"
     # how the draft's hot functions compile on CUDA (compiled.py): "lengths" = the sequence dimension
     # symbolic from the first call (one compile per function whatever the lengths); "auto" = torch's
     # default (exact shapes first, a second compile at the first new length)

@@ -5,7 +5,9 @@ segments: its own earlier draft steps (flexattn.py states the mask). flex attent
 block-sparse kernel over the concatenated keys; this module splits it in two exact parts instead:
 
 - the causal part is FlashAttention-2 as PyTorch ships it (`aten._scaled_dot_product_flash_attention`
-  and its `_backward`, torch 2.11's and 2.13's schemas), which returns the rows' log-sum-exp `lse_c`;
+  and its `_backward`, torch 2.11's and 2.13's schemas), cuDNN's fused attention (the same for
+  `_scaled_dot_product_cudnn_attention`) or FlashAttention-4 where its package is installed (fa4.py),
+  each of which returns the rows' log-sum-exp `lse_c`;
 - the n diagonal keys of step n add one score per query each, s_j = q . k_j * scale, folded in by
   `ttt_merge.merge` (one Triton kernel on CUDA for every length and key count): L = logaddexp(lse_c,
   s_1..s_n), out = out_c e^(lse_c - L) + sum_j e^(s_j - L) v_j, fp32, so the merged output and the
@@ -20,8 +22,8 @@ place). A key read by several steps has its gradient summed across them inside t
 keys in one [T * (n+1)] tensor, copied at each step and saved for backward.
 
 FlashAttention-2 takes bf16/fp16 and one head dim for q, k and v: the MLA draft's values (128) are
-zero-padded to its qk head dim (192), and grouped keys (GQA) are expanded to the query heads (dK, dV
-summed back). `reference=True` (and any CPU tensor) computes the causal part and the merge with
+zero-padded to its qk head dim (192), and for FlashAttention-2 and cuDNN grouped keys (GQA) are
+expanded to the query heads (dK, dV summed back); FlashAttention-4 reads them as they are. `reference=True` (and any CPU tensor) computes the causal part and the merge with
 plain torch by the same formulas, so the CPU tests hold the merge and its backward to the eager
 attention's autograd. Imports torch only (ttt_merge imports triton on CUDA).
 """
@@ -31,10 +33,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from regen_service.train import ttt_merge
+from regen_service.train import fa4, ttt_merge
 
-BACKENDS = ("flash", "cudnn", "reference")
-MAX_HEAD_DIM = {"flash": 256, "cudnn": 128}  # FlashAttention-2's largest head dim; cuDNN's taken here
+BACKENDS = ("fa4", "flash", "cudnn", "reference")
+# FlashAttention-2's largest head dim; cuDNN's and FlashAttention-4's taken here
+MAX_HEAD_DIM = {"flash": 256, "cudnn": 128, "fa4": 128}
+# the kernels that read grouped keys (GQA) as they are; the others get the kv heads repeated
+READS_GQA = ("fa4",)
 
 
 def takes(dtype: torch.dtype, qk_head_dim: int, backend: str = "flash") -> bool:
@@ -47,13 +52,14 @@ def takes(dtype: torch.dtype, qk_head_dim: int, backend: str = "flash") -> bool:
 
 
 def supported(dtype: torch.dtype, qk_head_dim: int, device: torch.device, backend: str = "flash") -> bool:
-    """Whether this backend trains here: a CUDA GPU of Ampere or later (both fused kernels need sm80+)
-    and parameters its kernel takes."""
+    """Whether this backend trains here: a CUDA GPU of Ampere or later (the fused kernels need sm80+;
+    FlashAttention-4 sm90+ and its package installed, fa4.py) and parameters its kernel takes."""
     return (
         device.type == "cuda"
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability(device) >= (8, 0)
         and takes(dtype, qk_head_dim, backend)
+        and (backend != "fa4" or fa4.runs_on(device))
     )
 
 
@@ -69,6 +75,8 @@ def _causal_fwd(q, k, v, scale: float, backend: str):
         s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         lse = torch.logsumexp(s, -1)
         return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse, None
+    if backend == "fa4":
+        return (*fa4.forward(q, k, v, scale), None)
     if backend == "cudnn":
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale
@@ -88,6 +96,8 @@ def _causal_bwd(dout, q, k, v, out, lse_raw, aux, scale: float, backend: str):
         dv = p.transpose(-1, -2) @ do
         ds = p * (do @ v.float().transpose(-1, -2) - _row_dot(dout, out)[..., None])
         return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, dv
+    if backend == "fa4":
+        return fa4.backward(dout, q, k, v, out, lse_raw, scale)
     cq, ck, mq, mk, seed, offset = aux
     if backend == "cudnn":  # attn_bias None: an undefined tensor, as autograd passes it
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -141,7 +151,7 @@ class _TTTFlash(torch.autograd.Function):
     def forward(ctx, q, scale, backend, key_grads, k0, v0, *rest):
         h, d = q.shape[1], q.shape[3]
         kv, dv = k0.shape[1], v0.shape[-1]
-        rep = h // kv
+        rep = 1 if backend in READS_GQA else h // kv
         k0e = k0.repeat_interleave(rep, 1) if rep > 1 else k0
         v0e = v0.repeat_interleave(rep, 1) if rep > 1 else v0
         v0e = F.pad(v0e, (0, d - dv)) if dv < d else v0e  # one head dim for the kernel
@@ -186,7 +196,7 @@ class _TTTFlash(torch.autograd.Function):
                 else:  # key n is this step's own: its total (every later step's part added in)
                     drest += list(pair)
         dv0 = dv0[..., :dv_dim]
-        if h != ctx.kv:
+        if dk0.shape[1] != ctx.kv:  # the kv heads were repeated for the kernel: their gradients summed back
             dk0 = dk0.view(b, ctx.kv, h // ctx.kv, t, d).sum(2)
             dv0 = dv0.reshape(b, ctx.kv, h // ctx.kv, t, dv_dim).sum(2)
         return (dq_c.to(q.dtype), None, None, None, dk0.to(q.dtype), dv0.to(q.dtype), *drest)

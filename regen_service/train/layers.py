@@ -3,8 +3,9 @@
 Both draft architectures use these (model.py assembles the Llama-style draft, mla_attention.py adds
 the MLA attention). `attend` is the one place that chooses between the attention paths, which
 compute the same function: `eager` (the reference: full scores, masked, fp32 softmax; any prefix
-length; the CPU's), `flash` and `cudnn` (flash_ttt.py: FlashAttention-2 or cuDNN's fused attention
-over the causal prefix, the diagonal keys merged by log-sum-exp; CUDA bf16 training) and `flex`
+length; the CPU's), `fa4`, `flash` and `cudnn` (flash_ttt.py: FlashAttention-4, FlashAttention-2 or
+cuDNN's fused attention over the causal prefix, the diagonal keys merged by log-sum-exp; CUDA bf16
+training) and `flex`
 (flexattn.py: block-sparse over all steps' keys concatenated, GQA without repeat_interleave; CUDA, fp32
 too). The projections go through linear.py (weight gradients into the fp32 buffer, the embedding half
 of the input never multiplied back). On CUDA the norm, rotary and SwiGLU elementwise work is compiled
@@ -116,7 +117,7 @@ def attend(
     the training layout (prefix length == T); anything else takes the eager reference."""
     cache.append((k, v))
     t = q.shape[2]
-    if impl in ("flash", "cudnn") and cache[0][0].shape[2] == t:
+    if impl in ("fa4", "flash", "cudnn") and cache[0][0].shape[2] == t:
         return flash_ttt.ttt_attention(q, cache, scale, backend=impl)
     if impl == "flex" and cache[0][0].shape[2] == t:
         kk = torch.cat([kj for kj, _ in cache], 2) if len(cache) > 1 else k

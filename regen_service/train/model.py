@@ -87,8 +87,8 @@ class Eagle3Draft(nn.Module):
             self.set_vocab(state_dict[prefix + "d2t"], state_dict[prefix + "t2d"])
 
     def set_attention(self, impl: str) -> None:
-        if impl not in ("eager", "flex", "flash", "cudnn"):
-            raise ValueError(f"attention impl {impl!r}: allowed eager, flex, flash, cudnn")
+        if impl not in ("eager", "flex", "flash", "cudnn", "fa4"):
+            raise ValueError(f"attention impl {impl!r}: allowed eager, flex, flash, cudnn, fa4")
         self.midlayer.self_attn.impl = impl
 
     def step_hidden(self, input_ids, hidden, cos, sin, cache):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from regen_service.draft.config import DraftConfig
-from regen_service.train import compiled, flash_ttt, flexattn
+from regen_service.train import compiled, fa4, flash_ttt, flexattn
 from regen_service.train.adamw import MasterAdamW
 from regen_service.train.dist import DistContext, all_reduce_mean
 from regen_service.train.lengths import compile_counts
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # head dims the serving attention kernels take (FlashInfer/FA3 in SGLang: 64, 128, 256)
 SERVED_HEAD_DIMS = (64, 128, 256)
 # what model.attention "auto" takes, the first that runs here (choose_attention)
-AUTO_ORDER = ("cudnn", "flash", "flex", "eager")
+AUTO_ORDER = ("fa4", "cudnn", "flash", "flex", "eager")
 
 
 def served_heads(hidden: int, heads: int) -> tuple[int, int]:
@@ -142,11 +142,13 @@ def _mla_draft_config(tc, model) -> DraftConfig:
 
 
 def choose_attention(requested: str, dtype: torch.dtype, qk_head_dim: int, device: torch.device) -> str:
-    """The attention path for model.attention: "auto" is the first of AUTO_ORDER that runs here: cuDNN's
-    fused attention (CUDA, bf16, qk head dim <= 128), FlashAttention-2 (<= 256; both flash_ttt.supported:
-    the MLA draft's 192 takes it), flex where its kernel fits, eager. An explicit path that cannot run
-    here is refused, naming what can."""
+    """The attention path for model.attention: "auto" is the first of AUTO_ORDER that runs here:
+    FlashAttention-4 (its package installed, sm90+, bf16, qk head dim <= 128), cuDNN's fused attention
+    (CUDA, bf16, <= 128), FlashAttention-2 (<= 256; all three flash_ttt.supported: the MLA draft's 192
+    takes it), flex where its kernel fits, eager. An explicit path that cannot run here is refused,
+    naming what can."""
     ok = {
+        "fa4": flash_ttt.supported(dtype, qk_head_dim, device, "fa4"),
         "cudnn": flash_ttt.supported(dtype, qk_head_dim, device, "cudnn"),
         "flash": flash_ttt.supported(dtype, qk_head_dim, device, "flash"),
         "flex": flexattn.available(device) and flexattn.fits(dtype, qk_head_dim),
@@ -157,9 +159,15 @@ def choose_attention(requested: str, dtype: torch.dtype, qk_head_dim: int, devic
     if ok[requested]:
         return requested
     allowed = ", ".join(n for n, good in ok.items() if good)
-    if requested in ("flash", "cudnn"):
+    if requested == "fa4" and not fa4.installed():
         raise ValueError(
-            f"attention {requested}: needs CUDA, bf16 parameters and a qk head dim <= "
+            "attention fa4: the flash-attn-4 package is not installed (pip install 'regen[fa4]'); "
+            f"allowed here: {allowed}"
+        )
+    if requested in ("fa4", "flash", "cudnn"):
+        gpu = "a Hopper or later GPU" if requested == "fa4" else "CUDA"
+        raise ValueError(
+            f"attention {requested}: needs {gpu}, bf16 parameters and a qk head dim <= "
             f"{flash_ttt.MAX_HEAD_DIM[requested]} (device {device}, {dtype}, head dim {qk_head_dim}); "
             f"allowed here: {allowed}"
         )

@@ -51,7 +51,7 @@ def test_forward_and_every_gradient_match_eager(heads, kv, d, dv, t, steps):
     out = flash_ttt.ttt_attention(q, cache, scale, backend="reference")
     got = torch.autograd.grad((out * probe).sum(), leaves)
     # the merge computes in fp32 (as on the GPU): fp32-level agreement with the float64 reference
-    assert float((out - ref).abs().max()) < 1e-5
+    assert float((out - ref).detach().abs().max()) < 1e-5
     for a, b in zip(got, want, strict=True):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
 
@@ -89,7 +89,7 @@ def test_the_draft_trains_the_same_loss_and_gradients_with_flash_as_with_eager(a
     lb, _ = ttt_loss(new, aux, ids, ids, mask, 5)
     la.backward()
     lb.backward()
-    assert abs(float(la) - float(lb)) <= 1e-5 * abs(float(la))
+    assert abs(la.item() - lb.item()) <= 1e-5 * abs(la.item())
     for (name, p), (_, p2) in zip(ref.named_parameters(), new.named_parameters(), strict=True):
         if p.grad is not None:
             assert torch.allclose(p.grad, p2.grad, rtol=1e-4, atol=1e-6), name
@@ -109,3 +109,77 @@ def test_auto_takes_flash_only_where_the_kernel_runs_and_an_impossible_choice_sa
         choose_attention("flash", torch.float32, 128, cpu)
     with pytest.raises(ValueError, match=r"attention flex: needs CUDA.*allowed here: eager"):
         choose_attention("flex", torch.float32, 128, cpu)
+    with pytest.raises(ValueError, match=r"attention fa4: .*allowed here: eager"):
+        choose_attention("fa4", torch.bfloat16, 128, cpu)
+    assert not flash_ttt.takes(torch.bfloat16, 192, "fa4")
+
+
+class _TorchFA4:
+    """flash-attn-4's two calls as fa4.py makes them, by the plain formulas in float64: [B, T, h, d]
+    tensors, grouped keys read as they are (kv heads divide h), the log-sum-exp [B, h, T] natural log.
+    It checks what the package requires of its inputs (unit stride in d), so the test holds
+    flash_ttt's glue (layouts, GQA without repeats, the merged out and global L in backward) on the CPU."""
+
+    @staticmethod
+    def _scores(q, k, scale):
+        rep = q.shape[2] // k.shape[2]
+        qh, kh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1)
+        t = q.shape[1]
+        s = (qh @ kh.transpose(-1, -2)) * scale
+        return s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")), rep
+
+    def _flash_attn_fwd(self, q, k, v, softmax_scale, causal, return_lse):
+        assert causal and return_lse and all(x.stride(-1) == 1 for x in (q, k, v))
+        s, rep = self._scores(q, k, softmax_scale)
+        lse = torch.logsumexp(s, -1)
+        out = torch.exp(s - lse[..., None]) @ v.transpose(1, 2).repeat_interleave(rep, 1)
+        return out.transpose(1, 2).contiguous(), lse, None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, scale, causal):
+        assert causal and all(x.stride(-1) == 1 for x in (q, k, v, out, dout))
+        s, rep = self._scores(q, k, scale)
+        p = torch.exp(s - lse[..., None])
+        do, vh = dout.transpose(1, 2), v.transpose(1, 2).repeat_interleave(rep, 1)
+        ds = p * (do @ vh.transpose(-1, -2) - (do * out.transpose(1, 2)).sum(-1, keepdim=True))
+        kh = k.transpose(1, 2).repeat_interleave(rep, 1)
+        dq, dk, dv = (
+            (ds @ kh) * scale,
+            (ds.transpose(-1, -2) @ q.transpose(1, 2)) * scale,
+            p.transpose(-1, -2) @ do,
+        )
+        b, _h, t, d = dk.shape
+        kv = k.shape[2]
+        dk = dk.view(b, kv, rep, t, d).sum(2)
+        dv = dv.view(b, kv, rep, t, -1).sum(2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+@pytest.mark.parametrize(("heads", "kv", "steps"), [(4, 4, 1), (4, 4, 4), (8, 2, 5)])
+def test_the_fa4_backend_hands_its_kernel_the_package_layout_and_unrepeated_keys(
+    monkeypatch, heads, kv, steps
+):
+    """fa4.py and flash_ttt's fa4 path against the eager attention's autograd, the package's calls played
+    by _TorchFA4: q/k/v as [B, h, T, d] views of [B, T, h, d] memory (the trainer's layout), GQA keys
+    passed with their own kv heads and their gradients returned per kv head."""
+    from regen_service.train import fa4
+
+    monkeypatch.setattr(fa4, "_interface", lambda: _TorchFA4())
+    g = torch.Generator().manual_seed(heads + steps)
+    t, d = 9, 16
+
+    def bthd(h):  # [B, h, T, d] view of [B, T, h, d] memory
+        return torch.randn(2, t, h, d, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+
+    q = bthd(heads)
+    cache = [(bthd(kv), bthd(kv)) for _ in range(steps)]
+    leaves = [q] + [x for pair in cache for x in pair]
+    ref = eager_attention(q, cache, d**-0.5)
+    probe = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((ref * probe).sum(), leaves)
+    flat = [x for pair in cache[1:] for x in pair]
+    out = flash_ttt._TTTFlash.apply(q, d**-0.5, "fa4", None, cache[0][0], cache[0][1], *flat)
+    got = torch.autograd.grad((out * probe).sum(), leaves)
+    assert float((out - ref).detach().abs().max()) < 1e-5
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
