@@ -91,8 +91,11 @@ def commands(plan, repo: Path, peers_dir: Path | None, steps: int, peer_pythonpa
     for shapes, seqs in plan:
         argv = [sys.executable, str(repo / "scripts" / "bench_train.py"), "--mode", "draft", "--shapes", shapes,
                 "--seq", ",".join(map(str, seqs)), "--step", "whole,draft", "--steps", str(steps)]  # fmt: skip
+        # the repo first, then what the caller's PYTHONPATH holds (optional kernels such as flash-attn-4
+        # carried to a bare GPU host)
+        path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))
         procs.append(
-            Proc(f"regen-{shapes}", argv, {"PYTHONPATH": str(repo)}, 120 + 90 * len(seqs), {"shapes": shapes})
+            Proc(f"regen-{shapes}", argv, {"PYTHONPATH": path}, 120 + 90 * len(seqs), {"shapes": shapes})
         )
         if peers_dir is None:
             continue
@@ -103,14 +106,16 @@ def commands(plan, repo: Path, peers_dir: Path | None, steps: int, peer_pythonpa
             # SpecForge compiles flex attention for the length before its first step: at 16K that alone
             # passed 177 s on an H200 (2026-12-02), so long sequences get a longer cap
             cap = 240 if t <= 8192 else 480
-            tags = {"shapes": shapes}
+            # seq and impl ride on a failed or skipped process's line too, so `compare` can say who is missing
+            tags = {"shapes": shapes, "seq": t}
             if (peers_dir / "sf" / "specforge").exists():
                 argv = [*base, "--impl", "specforge", "--backend", "flex_attention"]
-                procs.append(Proc(f"specforge-{shapes}-{t}", argv, env, cap, tags))
+                procs.append(Proc(f"specforge-{shapes}-{t}", argv, env, cap, tags | {"impl": "specforge"}))
             if (peers_dir / "spec" / "src" / "speculators").exists():
                 pp = {"PYTHONPATH": peer_pythonpath} if peer_pythonpath else {}
+                argv = [*base, "--impl", "speculators"]
                 procs.append(
-                    Proc(f"speculators-{shapes}-{t}", [*base, "--impl", "speculators"], env | pp, cap, tags)
+                    Proc(f"speculators-{shapes}-{t}", argv, env | pp, cap, tags | {"impl": "speculators"})
                 )
     return procs
 
@@ -121,7 +126,7 @@ def run_all(procs: list[Proc], deadline_s: float, emit) -> None:
     for p in procs:
         left = deadline_s - (time.monotonic() - t0)
         if left < 30:
-            emit({"run": p.name, "skipped": "deadline", "left_s": round(left, 1)})
+            emit({"run": p.name, **p.tags, "skipped": "deadline", "left_s": round(left, 1)})
             continue
         start = time.monotonic()
         try:
@@ -135,7 +140,7 @@ def run_all(procs: list[Proc], deadline_s: float, emit) -> None:
         for line in lines:
             emit({"run": p.name, **p.tags, **line, "process_wall_s": wall})
         if rc != 0 or not lines:
-            emit({"run": p.name, "rc": rc, "process_wall_s": wall, "stderr_tail": stderr[-1500:]})
+            emit({"run": p.name, **p.tags, "rc": rc, "process_wall_s": wall, "stderr_tail": stderr[-1500:]})
 
 
 def _text(b) -> str:
@@ -143,13 +148,20 @@ def _text(b) -> str:
 
 
 def compare(lines: list[dict]) -> list[dict]:
-    """One row per (shapes, seq): regen whole/draft and each peer, MFU by the whole-step formula."""
+    """One row per (shapes, seq): regen whole/draft and each peer, MFU by the whole-step formula. A peer
+    whose process failed, timed out or was skipped is listed in `peers_missing`, and regen's ratio is
+    then `regen_whole_over_peers_that_ran`: never a "best peer" figure that leaves one out."""
     rows: dict[tuple, dict] = {}
     for x in lines:
-        if "step_s" not in x or "shapes" not in x:
+        if "shapes" not in x or "seq" not in x:
             continue
         key = (x["shapes"], x["seq"])
         row = rows.setdefault(key, {"shapes": x["shapes"], "seq": x["seq"]})
+        if "step_s" not in x:
+            if x.get("impl") in ("specforge", "speculators") and ("rc" in x or "skipped" in x):
+                why = x.get("skipped") or f"rc {x['rc']}"
+                row.setdefault("peers_missing", []).append(f"{x['impl']} ({why})")
+            continue
         if x.get("impl") in ("specforge", "speculators"):
             name = x["impl"]
             mfu = peer_step_figures(x, PEER_SHAPES[x["shapes"]])["mfu_vs_989"]
@@ -160,5 +172,8 @@ def compare(lines: list[dict]) -> list[dict]:
     for row in rows.values():
         peers = [row[p]["tokens_per_s"] for p in ("specforge", "speculators") if p in row]
         if peers and "regen_whole" in row:
-            row["regen_whole_over_best_peer"] = round(row["regen_whole"]["tokens_per_s"] / max(peers), 3)
+            name = (
+                "regen_whole_over_peers_that_ran" if "peers_missing" in row else "regen_whole_over_best_peer"
+            )
+            row[name] = round(row["regen_whole"]["tokens_per_s"] / max(peers), 3)
     return list(rows.values())

@@ -68,6 +68,29 @@ def test_compare_holds_everyone_to_the_whole_step_formula():
     assert row["regen_whole"]["process_age_s"] == 90.0
 
 
+def test_a_peer_that_times_out_is_named_and_no_best_peer_ratio_leaves_it_out():
+    """run_all against real processes: the speculators stand-in outlives its cap (as speculators did at
+    Kimi 16K on 2026-12-04, past the call's deadline); the row says so and the ratio is over who ran."""
+    lines: list[dict] = []
+    py = sys.executable
+    procs = [
+        peers_run.Proc("regen-kimi", [py, "-c", "print('{\"shapes\": \"kimi\", \"seq\": 8192, \"step\": "
+                       "\"whole\", \"step_s\": 0.6, \"tokens_per_s\": 13800, \"mfu_vs_989\": 0.66}')"],
+                       {}, 60, {"shapes": "kimi"}),
+        peers_run.Proc("specforge-kimi-8192", [py, "-c", "print('{\"impl\": \"specforge\", \"batch\": 1, "
+                       "\"ttt\": 7, \"step_s\": 0.79, \"tokens_per_s\": 10300, \"mfu_vs_989\": 0.46}')"],
+                       {}, 60, {"shapes": "kimi", "seq": 8192, "impl": "specforge"}),
+        peers_run.Proc("speculators-kimi-8192", [py, "-c", "import time; time.sleep(30)"], {}, 1,
+                       {"shapes": "kimi", "seq": 8192, "impl": "speculators"}),
+    ]  # fmt: skip
+    peers_run.run_all(procs, 120, lines.append)
+    assert any(x.get("rc") == "timeout" and x["impl"] == "speculators" for x in lines)
+    (row,) = peers_run.compare(lines)
+    assert row["peers_missing"] == ["speculators (rc timeout)"]
+    assert "regen_whole_over_best_peer" not in row
+    assert row["regen_whole_over_peers_that_ran"] == round(13800 / 10300, 3)
+
+
 def test_regen_side_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "r.jsonl"
     argv = [sys.executable, str(ROOT / "scripts" / "bench_train_peers.py"), "--plan", "tiny:128", "--steps", "1",
