@@ -80,7 +80,7 @@ def test_fast_step_matches_todays_loss_and_gradients(monkeypatch):
     l0.backward()
     l1, metrics = ttt_loss(new, aux, ids, tids, mask, 4)
     l1.backward()
-    assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0))
+    assert abs(l1.item() - l0.item()) <= 1e-5 * abs(l0.item())
     g0, g1 = _grads(ref), _grads(new)
     assert set(g0) == set(g1)
     worst = max(_rel(g1[k], g0[k]) for k in g0)
@@ -95,7 +95,7 @@ def test_soft_fused_matches_reference():
     l0.backward()
     l1, m1 = ttt_loss(new, aux, ids, ids, mask, 3, target_probs=probs, fused=True)
     l1.backward()
-    assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0))
+    assert abs(l1.item() - l0.item()) <= 1e-5 * abs(l0.item())
     g0, g1 = _grads(ref), _grads(new)
     assert max(_rel(g1[k], g0[k]) for k in g0) < 1e-4
     assert torch.allclose(m0["loss_2"], m1["loss_2"], rtol=1e-5)
@@ -124,7 +124,7 @@ def test_flex_forward_matches_eager_on_cpu():
         warnings.simplefilter("ignore", UserWarning)
         a, _ = ttt_loss(ref, aux, ids, ids, mask, 4)
         b, _ = ttt_loss(new, aux, ids, ids, mask, 4)
-    assert abs(float(a) - float(b)) <= 1e-5 * abs(float(a))
+    assert abs(a.item() - b.item()) <= 1e-5 * abs(a.item())
     with pytest.raises(ValueError, match="allowed eager, flex"):
         new.set_attention("sdpa")
 
@@ -141,7 +141,7 @@ def test_bf16_parameters_step_fp32_masters():
         opt.step()
         mw.to_params()
     assert torch.allclose(mw.masters[0], torch.full((4,), 0.992), atol=1e-6)
-    assert p.dtype == torch.bfloat16 and float(p[0]) == pytest.approx(0.992, abs=4e-3)
+    assert p.dtype == torch.bfloat16 and p[0].item() == pytest.approx(0.992, abs=4e-3)
     fp32 = torch.nn.Parameter(torch.ones(2))
     assert MasterWeights([fp32]).masters[0] is fp32 and MasterWeights([fp32]).state() is None
 

@@ -78,7 +78,7 @@ def test_every_buffer_gradient_equals_plain_autograd(arch, soft, held):
         l1, _ = ttt_loss(new, aux, ids, tids, mask, 4, **kw)
         l1.backward()
         buf.finish()
-        assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+        assert l1.item() == pytest.approx(l0.item(), rel=1e-6)
         named = dict(new.named_parameters())
         for name, p in ref.named_parameters():
             if not p.requires_grad:
@@ -189,7 +189,7 @@ def test_the_head_gradient_written_into_the_buffer_takes_the_incoming_scale_and_
         xn = x.clone().requires_grad_(True)
         (ref_total, _, _) = reference_loss(xr, ref_w, rw, **kw)
         (total, _, _) = head_loss(xn, head.weight, rw, **kw)
-        assert float(total) == pytest.approx(float(ref_total), rel=1e-6)
+        assert total.item() == pytest.approx(ref_total.item(), rel=1e-6)
         (ref_total * scale).backward()
         (total * scale).backward()
         assert _rel(xn.grad, xr.grad) < 2e-6
@@ -201,8 +201,8 @@ def test_the_head_gradient_written_into_the_buffer_takes_the_incoming_scale_and_
         x, rw, probs, rows = batches[0]
         total, _, _ = head_loss(x, head.weight, rw, target_probs=probs, prob_rows=rows)
     assert torch.equal(head.weight.main_grad, before)
-    assert float(total) == pytest.approx(
-        float(reference_loss(x, ref_w, rw, target_probs=probs, prob_rows=rows)[0])
+    assert total.item() == pytest.approx(
+        reference_loss(x, ref_w, rw, target_probs=probs, prob_rows=rows)[0].item()
     )
 
 
