@@ -6,11 +6,12 @@ half, where the optional package is installed (`pip install 'regen[fa4]'`) and t
 or later. What it leaves to flash_ttt: the merge, the global log-sum-exp handed back to the backward,
 the value-dim padding.
 
-Why it is worth a backend: at the Kimi-K2.5 draft's attention (56 x 128 heads, causal, bf16) on one
-H200, isolated, the FA4 of flash-attn-4 4.0.0b40 ran the forward in 1.35 ms against cuDNN 9.19's
-1.51 at 8K tokens and 5.88 against 6.23 at 16K, the backward in 4.16 against 4.52 and 17.42 against
-17.84 (docs/training.md, issue 21's ninth session). It also reads grouped keys (GQA) as they are, so
-nothing repeats the kv heads for it and its dK/dV come back per kv head.
+Why it is worth a backend: on one H200, isolated (scripts/bench_attention.py: 56 query heads of 128 on
+8 kv heads, causal, bf16), the FA4 of flash-attn-4 4.0.0b40 ran the forward in 1.35 ms against cuDNN
+9.19's 1.51 at 8K tokens and 5.88 against 6.23 at 16K, the backward in 4.16 against 4.52 and 17.42
+against 17.84; in the trainer, at the Kimi-K2.5 draft's shapes, the whole 8K step ran 0.73% faster
+(docs/training.md, issue 21's ninth session). It also reads grouped keys (GQA) as they are, so nothing
+repeats the kv heads for it and its dK/dV come back per kv head.
 
 The calls are the package's own `flash_attn.cute.interface._flash_attn_fwd` / `_flash_attn_bwd`
 (read at 4.0.0b40): q, k, v, out and dout in [B, T, h, d] memory, which is the layout the trainer's
@@ -30,9 +31,9 @@ import torch
 
 def installed() -> bool:
     """The package is there (found, not imported: importing it costs seconds)."""
-    try:
+    try:  # finding the subpackage imports `flash_attn` itself, which FlashAttention-2 may own and break
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:
+    except ImportError:
         return False
 
 

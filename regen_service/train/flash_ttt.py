@@ -23,9 +23,10 @@ keys in one [T * (n+1)] tensor, copied at each step and saved for backward.
 
 FlashAttention-2 takes bf16/fp16 and one head dim for q, k and v: the MLA draft's values (128) are
 zero-padded to its qk head dim (192), and for FlashAttention-2 and cuDNN grouped keys (GQA) are
-expanded to the query heads (dK, dV summed back); FlashAttention-4 reads them as they are. `reference=True` (and any CPU tensor) computes the causal part and the merge with
-plain torch by the same formulas, so the CPU tests hold the merge and its backward to the eager
-attention's autograd. Imports torch only (ttt_merge imports triton on CUDA).
+expanded to the query heads (dK, dV summed back); FlashAttention-4 reads them as they are (given the
+grouped keys, cuDNN 9.19's backward ran 0.3-2.7% slower on an H200, so it keeps the repeat).
+`reference=True` (and any CPU tensor) computes the causal part and the merge with plain torch by the
+same formulas, so the CPU tests hold the merge and its backward to the eager attention's autograd. Imports torch only (ttt_merge imports triton on CUDA).
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ the MLA attention). `attend` is the one place that chooses between the attention
 compute the same function: `eager` (the reference: full scores, masked, fp32 softmax; any prefix
 length; the CPU's), `fa4`, `flash` and `cudnn` (flash_ttt.py: FlashAttention-4, FlashAttention-2 or
 cuDNN's fused attention over the causal prefix, the diagonal keys merged by log-sum-exp; CUDA bf16
-training) and `flex`
-(flexattn.py: block-sparse over all steps' keys concatenated, GQA without repeat_interleave; CUDA, fp32
-too). The projections go through linear.py (weight gradients into the fp32 buffer, the embedding half
-of the input never multiplied back). On CUDA the norm, rotary and SwiGLU elementwise work is compiled
-(compiled.py says how). Imports torch only.
+training) and `flex` (flexattn.py: block-sparse over all steps' keys concatenated, GQA without
+repeat_interleave; CUDA, fp32 too). The projections go through linear.py (weight gradients into the
+fp32 buffer, the embedding half of the input never multiplied back). On CUDA the norm, rotary and
+SwiGLU elementwise work is compiled (compiled.py says how). Imports torch only.
 """
 
 from __future__ import annotations
