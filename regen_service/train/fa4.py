@@ -37,14 +37,8 @@ def installed() -> bool:
         return False
 
 
-def runs_on(device: torch.device) -> bool:
-    """A GPU the package's kernels are built for (sm90 and later) and the package installed."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.is_available()
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-        and installed()
-    )
+# the package's kernels are built for sm90 and later
+MIN_CAPABILITY = (9, 0)
 
 
 @functools.cache

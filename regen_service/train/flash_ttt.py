@@ -60,7 +60,10 @@ def supported(dtype: torch.dtype, qk_head_dim: int, device: torch.device, backen
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability(device) >= (8, 0)
         and takes(dtype, qk_head_dim, backend)
-        and (backend != "fa4" or fa4.runs_on(device))
+        and (
+            backend != "fa4"
+            or (torch.cuda.get_device_capability(device) >= fa4.MIN_CAPABILITY and fa4.installed())
+        )
     )
 
 
