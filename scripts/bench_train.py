@@ -26,7 +26,9 @@ Modes:
           log-normal of answers with thinking (median 3,000, clipped to [200, 16384]), padded to
           `--length-bucket` (off | block | geometric): real and padded tokens/s with every recompile,
           the steady rate, compilations and compile seconds, time to first step, peak memory, the
-          padded lengths met. Runs on the CPU at `--shapes tiny` (give it a short `--max-length`).
+          padded lengths met. `--packing`: the same samples packed in rows of `--max-length` as
+          `data.packing` trains them (one shape). Runs on the CPU at `--shapes tiny` (give it a short
+          `--max-length`).
 Imports only torch/transformers and regen's torch-only modules (no pydantic, no Redis), so it runs on
 a bare GPU host: PYTHONPATH=. python3 scripts/bench_train.py --mode draft --shapes kimi --seq 8192
 """
@@ -233,13 +235,22 @@ def bench_ddp(a) -> dict:
 def bench_varlen(a) -> dict:
     ctx = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     c = SHAPES[a.shapes]()
-    n = a.steps * a.batch
+    n = a.steps * a.batch  # packed: these samples, in as many packed steps as they fill
     pool = varlen.shard_lengths(a.lengths_from) if a.lengths_from else varlen.builtin_lengths(n)
     lengths = varlen.draw(pool, n, 0, a.max_length) if a.lengths_from else pool
-    tr = make_trainer(c, a.ttt, ctx, steps=a.steps, attention=a.attention, compile_dynamic=a.compile_dynamic)
+    tr = make_trainer(c, a.ttt, ctx, steps=a.steps, attention=a.attention, compile_dynamic=a.compile_dynamic,
+                      packing=a.packing)  # fmt: skip
     built = varlen.process_age_s()
     res = varlen.run_varlen(
-        tr, lengths, a.batch, a.length_bucket, a.max_length, a.target == "soft", built, a.step == "whole"
+        tr,
+        lengths,
+        a.batch,
+        a.length_bucket,
+        a.max_length,
+        a.target == "soft",
+        built,
+        a.step == "whole",
+        packed=a.packing,
     )
     source = a.lengths_from or varlen.BUILTIN_NAME
     return {
@@ -269,6 +280,9 @@ def main() -> None:
     p.add_argument("--lengths-from", default=None, help="varlen: a run's outputs folder (shard-*.parquet)")
     p.add_argument("--length-bucket", choices=("off", "block", "geometric"), default="geometric")
     p.add_argument("--max-length", type=int, default=16384, help="varlen: sequences cut here")
+    p.add_argument(
+        "--packing", action="store_true", help="varlen: the samples packed in rows of --max-length"
+    )
     p.add_argument(
         "--compile-dynamic",
         choices=COMPILE_DYNAMIC,

@@ -30,11 +30,11 @@ from regen_service.train.trainer import DraftTrainer
 
 
 def train_cfg(
-    ttt: int, lr: float = 1e-4, attention: str = "auto", compile_dynamic="lengths"
+    ttt: int, lr: float = 1e-4, attention: str = "auto", compile_dynamic="lengths", packing: bool = False
 ) -> SimpleNamespace:
     """TrainConfig's sections DraftTrainer reads, without pydantic (a bare GPU host may lack it)."""
     return SimpleNamespace(
-        data=SimpleNamespace(seed=0),
+        data=SimpleNamespace(seed=0, packing=packing),
         model=SimpleNamespace(attention=attention, draft_arch="llama", compile_dynamic=compile_dynamic),
         optimisation=SimpleNamespace(ttt_length=ttt, ttt_decay=0.8, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                      warmup_ratio=0.015, min_lr_ratio=0.1, grad_clip=0.5, bf16=True),
@@ -42,10 +42,10 @@ def train_cfg(
 
 
 def make_trainer(c: DraftConfig, ttt: int, ctx, lr=1e-4, steps=1000, attention="auto",
-                 compile_dynamic="lengths") -> DraftTrainer:  # fmt: skip
+                 compile_dynamic="lengths", packing: bool = False) -> DraftTrainer:  # fmt: skip
     # made on the device: at Kimi-K2.5 shapes it is 1.2B entries, seconds of CPU before the GPU starts
     emb = torch.randn(c.vocab_size, c.hidden_size, device=ctx.device).mul_(0.02)
-    tr = DraftTrainer(train_cfg(ttt, lr, attention, compile_dynamic), c, emb, ctx, steps)
+    tr = DraftTrainer(train_cfg(ttt, lr, attention, compile_dynamic, packing), c, emb, ctx, steps)
     d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)  # draft ids = the first N target ids
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[: c.draft_vocab_size] = True

@@ -15,6 +15,9 @@ loss mask 0 on pads) and reports:
   block masks cached, peak CUDA memory;
 - time to first step and to the trainer being built, from the process start (the kernel's start time
   of this process, /proc/self/stat: interpreter start and `import torch` included).
+`packed=True` runs the same lengths as the trainer's `data.packing` does (packing.py): rows of
+max_length tokens filled with whole samples in their order, every step one shape, each sample attending
+to itself only; `steps` is then the number of packed batches.
 
 Lengths: `shard_lengths(DIR)` reads a real run's output shards (runs/<run>/outputs/shard-*.parquet,
 OUTPUT_SCHEMA): one sample per answered turn, `turns[].prompt_tokens + turns[].completion_tokens` (the
@@ -38,6 +41,7 @@ import torch
 from regen_service.bench.train_step import sync, target_side
 from regen_service.train import flexattn
 from regen_service.train.lengths import bucket_length, compile_counts
+from regen_service.train.packing import Documents, pack_lengths
 from regen_service.train.target_head import target_step
 
 BUILTIN = {"median": 3000, "sigma": 0.9, "lo": 200, "hi": 16384}
@@ -112,17 +116,36 @@ def _quantiles(xs: list[int]) -> dict:
     return {f"p{q}": s[min(len(s) - 1, len(s) * q // 100)] for q in (10, 50, 90, 99)}
 
 
+def _plans(lengths: list[int], batch: int, bucket: str, max_length: int, packed: bool):
+    """Each step's (padded length, the samples' lengths per row, Documents or None)."""
+    if not packed:
+        steps = len(lengths) // batch
+        return [
+            (bucket_length(max(lens), bucket, max_length), [[n] for n in lens], None)
+            for lens in (lengths[i * batch : (i + 1) * batch] for i in range(steps))
+        ]
+    rows = [[lengths[i] for i in row] for row in pack_lengths(lengths, max_length)]
+    out = []
+    for i in range(len(rows) // batch):
+        mine = rows[i * batch : (i + 1) * batch]
+        out.append((max_length, mine, Documents(tuple(tuple(r) for r in mine), max_length)))
+    return out
+
+
 def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int, soft: bool = True,
-               built_age_s: float | None = None, whole: bool = True) -> dict:  # fmt: skip
+               built_age_s: float | None = None, whole: bool = True, packed: bool = False) -> dict:  # fmt: skip
     """Train `len(lengths) // batch` steps of `tr` (a DraftTrainer with its vocabulary set) on synthetic
     states, batch i holding lengths[i*batch:(i+1)*batch], padded to bucket_length(longest, bucket,
-    max_length). `built_age_s`: process_age_s() when the trainer was built. -> the JSON record."""
+    max_length); `packed`: the lengths in packed rows of max_length (module docstring). `built_age_s`:
+    process_age_s() when the trainer was built. -> the JSON record."""
     dev = tr.ctx.device
     c = tr.dc
     dtype = torch.bfloat16 if tr.bf16 else torch.float32
-    steps = len(lengths) // batch
-    lengths = [min(max_length, n) for n in lengths[: steps * batch]]  # cut as the trainer cuts
-    cap = bucket_length(max(lengths), bucket, max_length)  # buckets grow with the length
+    lengths = [min(max_length, n) for n in lengths]  # cut as the trainer cuts
+    plans = _plans(lengths, batch, bucket, max_length, packed)
+    steps = len(plans)
+    lengths = [n for _, rows, _ in plans for row in rows for n in row]
+    cap = max(t for t, _, _ in plans)  # buckets grow with the length
     # one buffer each at the longest padded batch; a step views its first B*T rows, contiguous as the
     # trainer's inputs are (random values at pad positions cost the same as the zeros a target gives)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -144,11 +167,11 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
     first_end_age = None
     sync()
     t_first = time.perf_counter()
-    for i in range(steps):
-        lens = lengths[i * batch : (i + 1) * batch]
-        t = bucket_length(max(lens), bucket, max_length)
+    for i, (t, rows, docs) in enumerate(plans):
+        lens = [sum(row) for row in rows]
         aux = aux_buf[: batch * t * 3 * c.target_hidden_size].view(batch, t, -1)
         ids = ids_buf[: batch * t].view(batch, t)
+        # packed: each row's samples side by side from its start, the row's tail padding after them
         mask = (torch.arange(t, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]).long()
         before = compile_counts()
         t0 = time.perf_counter()
@@ -158,7 +181,7 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
         else:
             tgt = ids
             dl = dl_buf[: batch * t * c.draft_vocab_size].view(batch, t, -1) if soft else None
-        tr.train_batch(aux, ids, tgt, mask, draft_logits=dl, tokens=sum(lens))
+        tr.train_batch(aux, ids, tgt, mask, draft_logits=dl, tokens=sum(lens), docs=docs)
         sync()
         dt = time.perf_counter() - t0
         if i == 0:
@@ -171,7 +194,8 @@ def run_varlen(tr, lengths: list[int], batch: int, bucket: str, max_length: int,
     quiet = [(r, dt) for _, r, dt, n in per_step if n == 0]
     quiet_s = sum(dt for _, dt in quiet)
     return {
-        "step": "whole" if whole else "draft", "steps": steps, "batch": batch, "length_bucket": bucket, "max_length": max_length,
+        "step": "whole" if whole else "draft", "steps": steps, "batch": batch, "max_length": max_length,
+        "packing": packed, "length_bucket": None if packed else bucket, "samples": len(lengths),
         "real_tokens": real, "padded_tokens": padded, "pad_share": round(1 - real / padded, 4),
         "wall_s": round(wall, 3), "tokens_per_s": round(real / wall), "padded_tokens_per_s": round(padded / wall),
         "steady_tokens_per_s": round(sum(r for r, _ in quiet) / quiet_s) if quiet_s else None,

@@ -44,6 +44,10 @@ class DataConfig(_Section):
     # 128 (flex attention's block); "off": the longest sequence itself. Never past max_length; pads sit
     # after the tokens, count in no loss and never reach the target
     length_bucket: Literal["off", "block", "geometric"] = "geometric"
+    # packing (packing.py): each batch is batch_size rows of max_length tokens, filled with whole samples
+    # that attend only to themselves (positions restart, no loss across a sample's end): one shape, almost
+    # no padding; length_bucket then applies to nothing but the held-out evaluation. Off: one sample a row
+    packing: bool = False
     epochs: int = Field(default=1, ge=1)  # passes over each shard before it counts as consumed
     seed: int = 0
     # training samples of multi-turn rows: one per generation (the exact prompt the target saw plus

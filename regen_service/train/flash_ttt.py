@@ -25,6 +25,8 @@ FlashAttention-2 takes bf16/fp16 and one head dim for q, k and v: the MLA draft'
 zero-padded to its qk head dim (192), and for FlashAttention-2 and cuDNN grouped keys (GQA) are
 expanded to the query heads (dK, dV summed back); FlashAttention-4 reads them as they are (given the
 grouped keys, cuDNN 9.19's backward ran 0.3-2.7% slower on an H200, so it keeps the repeat).
+Packed rows (packing.py): the cache's `segments` run the causal kernel once per document, on views of the
+row (nothing copied in), so no query sees another document's keys; the diagonal keys are each query's own.
 `reference=True` (and any CPU tensor) computes the causal part and the merge with plain torch by the
 same formulas, so the CPU tests hold the merge and its backward to the eager attention's autograd. Imports torch only (ttt_merge imports triton on CUDA).
 """
@@ -143,31 +145,75 @@ class KeyGrads:
 
 
 class TTTCache(list):
-    """The per-step (k, v) cache of one TTT unroll (layers.attend appends to it), with its KeyGrads."""
+    """The per-step (k, v) cache of one TTT unroll (layers.attend appends to it), with its KeyGrads and,
+    for packed rows, where the documents are: `segments` ((row, start, end), for the causal kernels) and
+    `doc_ids` ([B, T], for the eager and flex masks); both None for one sample per row (ttt.unroll sets them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.key_grads = KeyGrads()
+        self.segments: tuple[tuple[int, int, int], ...] | None = None
+        self.doc_ids: torch.Tensor | None = None
+
+
+def _docs_fwd(q, k, v, scale: float, backend: str, segments):
+    """The causal kernel once per document of packed rows: (out in q's layout, lse [B,h,T] fp32, the
+    per-document (raw lse, aux) its backward needs)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    parts = []
+    for r, s, e in segments:
+        sl = (slice(r, r + 1), slice(None), slice(s, e))
+        o, lse_raw, aux = _causal_fwd(q[sl], k[sl], v[sl], scale, backend)
+        out[sl] = o
+        lse[sl] = _rows(lse_raw, (1, q.shape[1], e - s))
+        parts.append((lse_raw, aux))
+    return out, lse, parts
+
+
+def _global_lse(lse_raw: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The kernel's raw log-sum-exp with the merged (global) L written over its rows [B, h, T]."""
+    b, h, t = lse.shape
+    g = lse_raw.clone(memory_format=torch.contiguous_format)
+    g.reshape(b, h, -1)[..., :t] = lse
+    return g
+
+
+def _docs_bwd(dout, q, k, v, out, lse, merged: bool, parts, segments, scale: float, backend: str):
+    """_causal_bwd once per document (the backward of _docs_fwd): dq, dk, dv for the whole rows."""
+    dq = dk = dv = None
+    for (r, s, e), (lse_raw, aux) in zip(segments, parts, strict=True):
+        sl = (slice(r, r + 1), slice(None), slice(s, e))
+        lse_g = _global_lse(lse_raw, lse[sl]) if merged else lse_raw
+        g = _causal_bwd(dout[sl], q[sl], k[sl], v[sl], out[sl], lse_g, aux, scale, backend)
+        if dq is None:  # in the kernel's dtype (the reference's is fp32), q's and k's layouts
+            dq, dk, dv = (torch.empty_like(x, dtype=gx.dtype) for x, gx in zip((q, k, v), g, strict=True))
+        dq[sl], dk[sl], dv[sl] = g
+    return dq, dk, dv
 
 
 class _TTTFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, scale, backend, key_grads, k0, v0, *rest):
+    def forward(ctx, q, scale, backend, key_grads, segments, k0, v0, *rest):
         h, d = q.shape[1], q.shape[3]
         kv, dv = k0.shape[1], v0.shape[-1]
         rep = 1 if backend in READS_GQA else h // kv
         k0e = k0.repeat_interleave(rep, 1) if rep > 1 else k0
         v0e = v0.repeat_interleave(rep, 1) if rep > 1 else v0
         v0e = F.pad(v0e, (0, d - dv)) if dv < d else v0e  # one head dim for the kernel
-        out_c, lse_raw, aux = _causal_fwd(q, k0e, v0e, scale, backend)
-        lse = _rows(lse_raw, q.shape[:3])
+        if segments is None:
+            out_c, lse_raw, aux = _causal_fwd(q, k0e, v0e, scale, backend)
+            lse = _rows(lse_raw, q.shape[:3])
+        else:  # packed rows: per document; aux holds each one's raw lse and kernel aux
+            out_c, lse, aux = _docs_fwd(q, k0e, v0e, scale, backend, segments)
+            lse_raw = None
         out_k = out_c  # the output in the kernel's layout, value dims padded with zeros
         if rest:  # step 0 has no diagonal keys: the causal output is the answer
             # written in the kernel's layout (cuDNN's and FlashAttention's are [B, T, h, d] in memory): the
             # caller's transpose to [B, T, h*d] is then a view, and backward hands the kernel its own output
             out_k, lse = ttt_merge.merge(q, out_c, lse, rest[0::2], rest[1::2], scale)
         ctx.save_for_backward(q, k0e, v0e, out_k, lse, lse_raw, *rest)
-        ctx.aux, ctx.scale, ctx.backend, ctx.kv = aux, scale, backend, kv
+        ctx.aux, ctx.scale, ctx.backend, ctx.kv, ctx.segments = aux, scale, backend, kv, segments
         ctx.key_grads = key_grads
         return out_k[..., :dv]
 
@@ -181,11 +227,13 @@ class _TTTFlash(torch.autograd.Function):
         # (cuDNN wants it so; the caller's reshape gives it so already, then nothing is copied)
         same = dv_dim == d and dout.stride() == out_k.stride()
         dout_k = dout if same else _in_layout(out_k, dout)
-        lse_g = lse_raw
-        if n:
-            lse_g = lse_raw.clone(memory_format=torch.contiguous_format)
-            lse_g.reshape(b, h, -1)[..., :t] = lse
-        dq_c, dk0, dv0 = _causal_bwd(dout_k, q, k0e, v0e, out_k, lse_g, ctx.aux, scale, ctx.backend)
+        if ctx.segments is not None:
+            dq_c, dk0, dv0 = _docs_bwd(
+                dout_k, q, k0e, v0e, out_k, lse, bool(n), ctx.aux, ctx.segments, scale, ctx.backend
+            )
+        else:
+            lse_g = _global_lse(lse_raw, lse) if n else lse_raw
+            dq_c, dk0, dv0 = _causal_bwd(dout_k, q, k0e, v0e, out_k, lse_g, ctx.aux, scale, ctx.backend)
         drest = []
         if n:
             sums = ctx.key_grads.sums if ctx.key_grads is not None else {}
@@ -203,7 +251,7 @@ class _TTTFlash(torch.autograd.Function):
         if dk0.shape[1] != ctx.kv:  # the kv heads were repeated for the kernel: their gradients summed back
             dk0 = dk0.view(b, ctx.kv, h // ctx.kv, t, d).sum(2)
             dv0 = dv0.reshape(b, ctx.kv, h // ctx.kv, t, dv_dim).sum(2)
-        return (dq_c.to(q.dtype), None, None, None, dk0.to(q.dtype), dv0.to(q.dtype), *drest)
+        return (dq_c.to(q.dtype), None, None, None, None, dk0.to(q.dtype), dv0.to(q.dtype), *drest)
 
 
 def ttt_attention(q: torch.Tensor, cache: list, scale: float, backend: str = "flash") -> torch.Tensor:
@@ -215,6 +263,6 @@ def ttt_attention(q: torch.Tensor, cache: list, scale: float, backend: str = "fl
     if backend not in BACKENDS:
         raise ValueError(f"flash TTT attention backend {backend!r}: allowed {', '.join(BACKENDS)}")
     flat = [x for kv in cache[1:] for x in kv]
-    key_grads = cache.key_grads if isinstance(cache, TTTCache) else None
+    key_grads, segments = (cache.key_grads, cache.segments) if isinstance(cache, TTTCache) else (None, None)
     backend = backend if q.is_cuda else "reference"
-    return _TTTFlash.apply(q, scale, backend, key_grads, cache[0][0], cache[0][1], *flat)
+    return _TTTFlash.apply(q, scale, backend, key_grads, segments, cache[0][0], cache[0][1], *flat)

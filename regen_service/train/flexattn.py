@@ -5,7 +5,8 @@ one key in each of the n later segments: its own earlier draft step (kv % T == t
 steps are concatenated to [B, kv_heads, T*(n+1), d]; flex_attention visits only the 128x128 blocks
 the mask touches (the causal triangle plus one diagonal block per segment), never building the
 [B, heads, T, T*(n+1)] score matrix, and reads grouped keys directly (enable_gqa). Block masks
-are cached per (T, n, device). The kernel is compiled on CUDA (compiled.py's policy); flex_attention has no CPU backward,
+are cached per (T, n, device); packed rows (packing.py) add their documents to the mask (`doc_ids`: a query
+sees the prefix keys of its own document) and get a mask of their own per batch. The kernel is compiled on CUDA (compiled.py's policy); flex_attention has no CPU backward,
 so the CPU trains with the eager reference (model.Attention) and the CPU tests compare the two
 forwards. The per-step key/value bookkeeping is model.py's. Imports torch only.
 """
@@ -44,6 +45,16 @@ def ttt_mask_mod(t: int):
     return mask_mod
 
 
+def ttt_doc_mask_mod(t: int, doc_ids: torch.Tensor):
+    """ttt_mask_mod, the prefix keys limited to the query's own document (doc_ids [B, T])."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc_ids[b, q_idx] == doc_ids[b, kv_idx % t]
+        return (((kv_idx < t) & (kv_idx <= q_idx)) | ((kv_idx >= t) & (kv_idx % t == q_idx))) & same
+
+    return mask_mod
+
+
 def _compiled_block_mask():
     # what create_block_mask(_compile=True) did, without its DeprecationWarning at every new mask (the
     # flag is to be removed): one compiled create_block_mask, so a new length is a dynamo cache entry
@@ -58,16 +69,31 @@ def ttt_block_mask(t: int, segments: int, device: str):
     return make(ttt_mask_mod(t), None, None, t, t * segments, device=device, BLOCK_SIZE=BLOCK)
 
 
+# keyed by the doc_ids tensor itself (a tensor hashes by identity): one mask per TTT step of a packed batch
+@functools.lru_cache(maxsize=16)
+def ttt_doc_block_mask(doc_ids: torch.Tensor, segments: int, device: str):
+    """The BlockMask of packed rows: ttt_block_mask's, each query's prefix limited to its document."""
+    b, t = doc_ids.shape
+    make = create_block_mask if device == "cpu" else _compiled_block_mask()
+    return make(ttt_doc_mask_mod(t, doc_ids), b, None, t, t * segments, device=device, BLOCK_SIZE=BLOCK)
+
+
 def _compiled():
     # the lengths arrive as ints too (the BlockMask's seq_lengths): all sizes symbolic under "lengths"
     return compiled(flex_attention, all_dynamic=True)
 
 
-def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, T, d]; k, v [B, KV, T*n, d] (all steps so far): the TTT-masked attention, [B, H, T, d]."""
+def ttt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [B, H, T, d]; k, v [B, KV, T*n, d] (all steps so far): the TTT-masked attention, [B, H, T, d].
+    doc_ids [B, T]: packed rows' documents (no key of another document is seen)."""
     t = q.shape[2]
     dev = q.device
-    bm = ttt_block_mask(t, k.shape[2] // t, str(dev))
+    if doc_ids is None:
+        bm = ttt_block_mask(t, k.shape[2] // t, str(dev))
+    else:
+        bm = ttt_doc_block_mask(doc_ids, k.shape[2] // t, str(dev))
     fn = _compiled() if dev.type == "cuda" else flex_attention
     mark_lengths((q, 2), (k, 2), (v, 2))
     return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -113,7 +113,8 @@ def attend(
 
     cache[0] is the prefix (length Tk >= T; query t sits at key Tk - T + t, causal); every later
     entry has exactly one key per query (that query's own earlier draft steps). `flash` and `flex` need
-    the training layout (prefix length == T); anything else takes the eager reference."""
+    the training layout (prefix length == T); anything else takes the eager reference. A TTTCache of
+    packed rows (packing.py) keeps every path's prefix keys inside each query's own document."""
     cache.append((k, v))
     t = q.shape[2]
     if impl in ("fa4", "flash", "cudnn") and cache[0][0].shape[2] == t:
@@ -121,12 +122,13 @@ def attend(
     if impl == "flex" and cache[0][0].shape[2] == t:
         kk = torch.cat([kj for kj, _ in cache], 2) if len(cache) > 1 else k
         vv = torch.cat([vj for _, vj in cache], 2) if len(cache) > 1 else v
-        return flexattn.ttt_attention(q, kk, vv, scale)
+        return flexattn.ttt_attention(q, kk, vv, scale, getattr(cache, "doc_ids", None))
     return eager_attention(q, cache, scale)
 
 
 def eager_attention(q: torch.Tensor, cache: list, scale: float) -> torch.Tensor:
-    """The reference: full [B, h, T, Tk + steps] scores, masked, fp32 softmax (today's numerics)."""
+    """The reference: full [B, h, T, Tk + steps] scores, masked, fp32 softmax (today's numerics); a
+    packed cache's `doc_ids` [B, T] also mask the prefix keys of other documents."""
     _b, nh, t, _ = q.shape
     rep = nh // cache[0][0].shape[1]
     kv = [(kj.repeat_interleave(rep, 1), vj.repeat_interleave(rep, 1)) for kj, vj in cache]
@@ -134,7 +136,11 @@ def eager_attention(q: torch.Tensor, cache: list, scale: float) -> torch.Tensor:
     tk = k0.shape[2]
     s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, Tk]
     qi = torch.arange(t, device=q.device)[:, None] + (tk - t)
-    s0 = s0.masked_fill(torch.arange(tk, device=q.device)[None, :] > qi, float("-inf"))
+    hide = torch.arange(tk, device=q.device)[None, :] > qi
+    doc = getattr(cache, "doc_ids", None)
+    if doc is not None:  # packed rows (prefix length == T): keys of the query's own document only
+        hide = hide | (doc[:, None, :, None] != doc[:, None, None, :])
+    s0 = s0.masked_fill(hide, float("-inf"))
     diag = [((q * kj).sum(-1, keepdim=True) * scale) for kj, _ in kv[1:]]  # each [B, h, T, 1]
     p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
     out = torch.matmul(p[..., :tk], v0)

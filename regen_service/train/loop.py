@@ -34,6 +34,7 @@ from regen_service.settings import Settings
 from regen_service.state.ledger import Ledger
 from regen_service.state.storage import RunLayout, Storage
 from regen_service.train import data as D
+from regen_service.train import packing
 from regen_service.train.config import TrainConfig
 from regen_service.train.consumer import ShardFeed, ShardRef, default_consumer_name
 from regen_service.train.dist import DistContext, broadcast_object, init_distributed, shutdown
@@ -180,6 +181,7 @@ class _Run:
         self._saved_bad = len(self.bad_shards)
         self.metrics_path = self.out / "metrics.jsonl"
         self._cache: dict[str, list[D.Example]] = {}  # rank 0: examples read while picking a shard
+        self._schedule_fitted = False
 
     def _draft_ids(self):
         """Target ids of the draft vocabulary for soft targets (the target's logits over them); None = hard."""
@@ -360,20 +362,35 @@ class _Run:
             (ip["epoch"], ip["next_batch"]) if ip and (ip["run_id"], ip["shard_id"]) == ref.key else (0, 0)
         )
         self.in_progress = None
-        # each batch padded to its length bucket (lengths.py): a bounded set of compiled shapes
+        # each batch padded to its length bucket (lengths.py): a bounded set of compiled shapes; or packed
+        # rows of max_length tokens (packing.py): one shape
         pad_to = bucketer(cfg.data.length_bucket, cfg.data.max_length)
+        packed = cfg.data.packing
         for epoch in range(epoch0, cfg.data.epochs):
             exs = D.shuffled(examples, cfg.data.seed, ref.shard_id, epoch)
-            batches, n = D.rank_batches(exs, cfg.data.batch_size, ctx.rank, ctx.world)
+            # what the ranks split and batch: samples, or rows of samples (deterministic: every rank packs alike)
+            items = packing.pack(exs, cfg.data.max_length) if packed else exs
+            if packed:
+                self._fit_schedule(len(exs), len(items))
+            batches, n = D.rank_batches(items, cfg.data.batch_size, ctx.rank, ctx.world)
             for b in range(batch0 if epoch == epoch0 else 0, n):
-                chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [exs[:1]])[0], 0.0)
+                chunk, weight = (batches[b], 1.0) if b < len(batches) else ((batches or [items[:1]])[0], 0.0)
                 # the batch on the sequences the target ran (a sample with images: the engine's expanded one)
-                batch, aux, tgt, dl = self.target.example_states(chunk, self._draft_ids(), pad_to)
+                docs = samples = None
+                if packed:
+                    batch, aux, tgt, dl, docs = packing.packed_states(
+                        self.target, chunk, self._draft_ids(), cfg.data.max_length
+                    )
+                    samples = packing.global_batch_docs(items, cfg.data.batch_size, ctx.world, b)
+                else:
+                    batch, aux, tgt, dl = self.target.example_states(chunk, self._draft_ids(), pad_to)
                 real = int(batch["attention_mask"].sum())
-                metrics = tr.train_batch(aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl, real)
+                metrics = tr.train_batch(
+                    aux, batch["input_ids"], tgt, batch["loss_mask"], weight, dl, real, docs
+                )
                 if tr.step % cfg.tracking.log_every_steps == 0:
                     self._log(tr.log_record(metrics), ref, epoch)
-                best = self.mon.stepped(len(exs), b)  # held-out eval when due (every rank)
+                best = self.mon.stepped(len(exs), b, samples)  # held-out eval when due (every rank)
                 mid_shard = b + 1 < n or epoch + 1 < cfg.data.epochs
                 every = cfg.checkpoints.checkpoint_every_steps
                 if ctx.is_main and (best or (every and tr.step % every == 0)) and mid_shard:
@@ -386,6 +403,25 @@ class _Run:
                     if b + 1 >= n:
                         pos.update(epoch=epoch + 1, next_batch=0)
                     self._checkpoint(pos)
+
+    def _fit_schedule(self, num_samples: int, num_rows: int) -> None:
+        """Packed rows, no total_steps: the schedule's estimate counted one sample a step; at the first step of
+        a run it is divided by the first shard's samples per row (the same on every rank: same shard, same
+        packing). A step later it is left alone: a restart keeps the checkpoint's schedule."""
+        if self.cfg.optimisation.total_steps is not None or self.trainer.step or self._schedule_fitted:
+            return
+        self._schedule_fitted = True
+        per_row = num_samples / max(1, num_rows)
+        sched = self.trainer.sched.lr_lambdas[0]
+        total = math.ceil(sched.total / per_row)
+        self.trainer.set_total_steps(total)
+        self.mon.schedule_changed()
+        if self.ctx.is_main:
+            log.info(
+                "packed rows hold %.2f samples each on the first shard: schedule length %d steps",
+                per_row,
+                total,
+            )
 
     def _log(self, rec: dict, ref: ShardRef, epoch: int) -> None:
         if not self.ctx.is_main:

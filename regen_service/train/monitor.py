@@ -57,10 +57,19 @@ class Monitor:
         if self.ctx.is_main:
             self.evalset.sources_without_eval()
 
-    def stepped(self, n_examples: int, b: int) -> bool:
-        """After a training step: count its samples, evaluate when due. True when this step is a new best
-        (the caller checkpoints it)."""
-        self.samples += batch_samples(n_examples, self.cfg.data.batch_size, self.ctx.world, b)
+    def schedule_changed(self) -> None:
+        """The schedule's length was re-estimated (packed rows, loop._fit_schedule): progress follows it."""
+        sched = self.run.trainer.sched.lr_lambdas[0]
+        self.warmup = sched.warmup
+        if self.progress is not None:
+            self.progress.total = sched.total
+
+    def stepped(self, n_examples: int, b: int, samples: int | None = None) -> bool:
+        """After a training step: count its samples (`samples` where the caller counted them: packed rows),
+        evaluate when due. True when this step is a new best (the caller checkpoints it)."""
+        if samples is None:
+            samples = batch_samples(n_examples, self.cfg.data.batch_size, self.ctx.world, b)
+        self.samples += samples
         every = self.cfg.evaluation.eval_every_steps
         return bool(every and self.run.trainer.step % every == 0 and self.evaluate())
 

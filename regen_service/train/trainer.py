@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 SERVED_HEAD_DIMS = (64, 128, 256)
 # what model.attention "auto" takes, the first that runs here (choose_attention)
 AUTO_ORDER = ("fa4", "cudnn", "flash", "flex", "eager")
+# packed rows run the causal kernel once per document, at lengths that are rarely met twice: torch builds
+# and caches a cuDNN graph per (s_q, s_kv, strides) (aten/src/ATen/native/cudnn/MHA.cpp, MHAParams), so
+# cuDNN would build one per document; FlashAttention-4 and -2 launch at any length without a build
+PACKED_AUTO_ORDER = ("fa4", "flash", "flex", "eager")
 
 
 def served_heads(hidden: int, heads: int) -> tuple[int, int]:
@@ -141,12 +145,14 @@ def _mla_draft_config(tc, model) -> DraftConfig:
     )
 
 
-def choose_attention(requested: str, dtype: torch.dtype, qk_head_dim: int, device: torch.device) -> str:
+def choose_attention(
+    requested: str, dtype: torch.dtype, qk_head_dim: int, device: torch.device, packed: bool = False
+) -> str:
     """The attention path for model.attention: "auto" is the first of AUTO_ORDER that runs here:
     FlashAttention-4 (its package installed, sm90+, bf16, qk head dim <= 128), cuDNN's fused attention
     (CUDA, bf16, <= 128), FlashAttention-2 (<= 256; all three flash_ttt.supported: the MLA draft's 192
-    takes it), flex where its kernel fits, eager. An explicit path that cannot run here is refused,
-    naming what can."""
+    takes it), flex where its kernel fits, eager; `packed` (data.packing) skips cuDNN (PACKED_AUTO_ORDER).
+    An explicit path that cannot run here is refused, naming what can."""
     ok = {
         "fa4": flash_ttt.supported(dtype, qk_head_dim, device, "fa4"),
         "cudnn": flash_ttt.supported(dtype, qk_head_dim, device, "cudnn"),
@@ -155,8 +161,11 @@ def choose_attention(requested: str, dtype: torch.dtype, qk_head_dim: int, devic
         "eager": True,
     }
     if requested == "auto":
-        return next(n for n in AUTO_ORDER if ok[n])
+        return next(n for n in (PACKED_AUTO_ORDER if packed else AUTO_ORDER) if ok[n])
     if ok[requested]:
+        if packed and requested == "cudnn":
+            log.warning("attention cudnn with packed rows: cuDNN builds a graph for each new document length; "
+                        "fa4 or flash (attention: auto) runs any length without one")  # fmt: skip
         return requested
     allowed = ", ".join(n for n, good in ok.items() if good)
     if requested == "fa4" and not fa4.installed():
@@ -213,7 +222,11 @@ class DraftTrainer:
             )
         self.draft.set_attention(
             choose_attention(
-                cfg.model.attention, torch.bfloat16 if self.bf16 else torch.float32, dc.head_dim, ctx.device
+                cfg.model.attention,
+                torch.bfloat16 if self.bf16 else torch.float32,
+                dc.head_dim,
+                ctx.device,
+                packed=getattr(cfg.data, "packing", False),
             )
         )
         compiled.set_dynamic(getattr(cfg.model, "compile_dynamic", "lengths"))
@@ -258,16 +271,20 @@ class DraftTrainer:
         weight: float = 1.0,
         draft_logits=None,
         tokens: int | None = None,
+        docs=None,
     ) -> dict[str, torch.Tensor]:
         """One optimizer step. weight 0 keeps a rank with no data in lockstep without learning from it.
         draft_logits [B,T,N]: the target's logits over the draft vocabulary (soft targets); None = hard.
-        tokens: the batch's real tokens (pads excluded) for the throughput figure; None = all of input_ids."""
+        tokens: the batch's real tokens (pads excluded) for the throughput figure; None = all of input_ids.
+        docs: packed rows' packing.Documents (None: one sample per row)."""
         self.ttt.train()
         dev = self.ctx.device
         probs = None if draft_logits is None else self.target_probs(draft_logits)
         grads = self.masters.grads
         grads.begin()
-        loss, metrics = self.ttt(aux.to(dev), input_ids.to(dev), target_ids.to(dev), loss_mask.to(dev), probs)
+        loss, metrics = self.ttt(
+            aux.to(dev), input_ids.to(dev), target_ids.to(dev), loss_mask.to(dev), probs, docs
+        )
         (loss * weight).backward()
         self.masters.to_masters()
         grads.all_reduce_mean(self.ctx.world)
@@ -280,6 +297,17 @@ class DraftTrainer:
         self._tokens += (int(input_ids.numel()) if tokens is None else tokens) if weight else 0
         metrics["loss"] = loss.detach()
         return metrics
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """The schedule's length re-estimated (packed rows: a step holds several samples, known once the
+        first shard is packed), warmup kept at its ratio; the current rate follows. Checkpoints keep it
+        (LambdaLR saves its schedule object's fields)."""
+        sched = self.sched.lr_lambdas[0]
+        sched.total = max(1, int(total_steps))
+        sched.warmup = max(1, int(sched.total * self.cfg.optimisation.warmup_ratio))
+        for group, base in zip(self.opt.param_groups, self.sched.base_lrs, strict=True):
+            group["lr"] = base * sched(self.sched.last_epoch)
+        self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]
 
     def _clip(self, norm: torch.Tensor, max_norm: float) -> None:
         """clip_grad_norm_'s rule (scale by max_norm / (norm + 1e-6) when below 1) on the flat buffer. The

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from regen_service.bench.varlen import builtin_lengths, draw, shard_lengths
 from regen_service.train.fixtures import output_table
 from regen_service.train.lengths import bucket_length
+from regen_service.train.packing import pack_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +84,23 @@ def test_varlen_mode_end_to_end_on_the_cpu(tmp_path):
     assert 0 < rec["startup_s"] < rec["time_to_first_step_s"]
     assert rec["first_step_s"] > 0 and rec["block_masks_cached"] == 0
     assert set(rec["real_length_quantiles"]) == {"p10", "p50", "p90", "p99"}
+
+
+def test_varlen_packed_rows_on_the_cpu(tmp_path):
+    """--packing: the same samples in rows of --max-length, one shape, every sample's tokens counted once."""
+    out = _run_outputs(tmp_path)
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--mode", "varlen", "--shapes", "tiny",
+           "--steps", "12", "--ttt", "3", "--lengths-from", str(out), "--max-length", "256", "--packing"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(res.stdout.strip().splitlines()[-1])
+    lengths = draw(shard_lengths(out), 12, 0, 256)
+    rows = pack_lengths(lengths, 256)
+    assert rec["packing"] is True and rec["length_bucket"] is None and rec["distinct_lengths"] == [256]
+    assert rec["steps"] == len(rows) < 12 and rec["samples"] == 12
+    assert rec["real_tokens"] == sum(lengths) and rec["padded_tokens"] == 256 * len(rows)
+    assert rec["pad_share"] == round(1 - sum(lengths) / (256 * len(rows)), 4)
 
 
 def test_the_benchmark_imports_no_pydantic():

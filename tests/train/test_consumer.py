@@ -70,18 +70,27 @@ def _wait(proc, timeout_s: float, log: Path) -> None:
         raise
 
 
-def test_kill9_then_resume_consumes_every_shard_once(settings, settings_env, tmp_path, tiny):
-    target, cfg = tiny
-    ledger = register_run(settings, "run-k", num_shards=8, rows_per_shard=16)
-    rows = greedy_rows(target, "run-k", 16, new_tokens=24, seed=1)
-    for shard in range(8):
-        publish_shard(settings, ledger, "run-k", shard, rows)
-    out, log = tmp_path / "out", tmp_path / "trainer.log"
-    proc = _train(settings_env, "run-k", target, out, cfg, log)
-    # kill once a checkpoint lists some (not all) shards; stuck = no new checkpoint or log line for 120 s
+def _published(settings, target, run: str, num_shards: int, rows_per_shard: int, seed: int):
+    """A registered run with every shard published (the same greedy rows in each); its ledger."""
+    ledger = register_run(settings, run, num_shards=num_shards, rows_per_shard=rows_per_shard)
+    rows = greedy_rows(target, run, rows_per_shard, new_tokens=24, seed=seed)
+    for shard in range(num_shards):
+        publish_shard(settings, ledger, run, shard, rows)
+    return ledger
+
+
+def _kill_after_two_shards(proc, out: Path, log: Path) -> None:
+    """SIGKILL once a checkpoint lists some shards; stuck = no new checkpoint or log line for 120 s."""
     wait_progress(lambda: (len(c := _consumed(out)) >= 2, (c, log.stat().st_size if log.exists() else 0)),
                   what="a checkpoint listing 2 shards", stall_s=120, procs=(proc,), interval_s=0.05)  # fmt: skip
     stop(proc, signal.SIGKILL)
+
+
+def test_kill9_then_resume_consumes_every_shard_once(settings, settings_env, tmp_path, tiny):
+    target, cfg = tiny
+    ledger = _published(settings, target, "run-k", 8, 16, seed=1)
+    out, log = tmp_path / "out", tmp_path / "trainer.log"
+    _kill_after_two_shards(_train(settings_env, "run-k", target, out, cfg, log), out, log)
     killed_at = _consumed(out)
     assert 2 <= len(killed_at) < 8, "the trainer finished before it could be killed"
     key = ledger.events_key("run-k")
@@ -155,3 +164,26 @@ def test_torchrun_two_ranks_share_each_shard_and_checkpoint_once(settings, setti
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["world"] for r in records} == {2} and len({r["step"] for r in records}) == len(records)
     assert ledger.r.xpending(ledger.events_key("run-d"), "trainer")["pending"] == 0
+
+
+def test_packed_trainer_killed_and_resumed_trains_every_sample_once(settings, settings_env, tmp_path, tiny):
+    """data.packing: rows of max_length tokens, several samples each. A SIGKILL mid-run and a resume still
+    train each sample exactly once per epoch (the packed batch position is resumed like any other), in
+    fewer steps than one sample a row, with the schedule's length fitted to the packing."""
+    target, _ = tiny
+    cfg = tmp_path / "packed.yaml"
+    cfg.write_text(json.dumps({**CONFIG, "packing": True, "batch_size": 1, "checkpoint_every_steps": 1}))
+    _published(settings, target, "run-p", 6, 12, seed=4)
+    out, log = tmp_path / "out", tmp_path / "trainer.log"
+    _kill_after_two_shards(_train(settings_env, "run-p", target, out, cfg, log), out, log)
+    assert 2 <= len(_consumed(out)) < 6, "the trainer finished before it could be killed"
+    proc = _train(settings_env, "run-p", target, out, cfg, log)
+    _wait(proc, 180, log)
+    final = load_latest(out)
+    assert sorted(map(tuple, final["consumed_shards"])) == [("run-p", i) for i in range(6)]
+    assert final["in_progress"] is None
+    assert final["samples_seen"] == 6 * 12 * 3  # every sample once per epoch: none twice, none skipped
+    assert 6 * 3 <= final["step"] < 6 * 12 * 3  # a row held several samples
+    # the schedule's estimate (one sample a step: 6 x 12 x 3 = 216) divided by the first shard's packing
+    assert final["scheduler"]["lr_lambdas"][0]["total"] < 216
+    assert "packed rows hold" in log.read_text()

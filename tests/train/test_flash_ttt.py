@@ -154,14 +154,17 @@ class _TorchFA4:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize(("heads", "kv", "steps"), [(4, 4, 1), (4, 4, 4), (8, 2, 5)])
 def test_the_fa4_backend_hands_its_kernel_the_package_layout_and_unrepeated_keys(
-    monkeypatch, heads, kv, steps
+    monkeypatch, heads, kv, steps, packed
 ):
     """fa4.py and flash_ttt's fa4 path against the eager attention's autograd, the package's calls played
     by _TorchFA4: q/k/v as [B, h, T, d] views of [B, T, h, d] memory (the trainer's layout), GQA keys
-    passed with their own kv heads and their gradients returned per kv head."""
+    passed with their own kv heads and their gradients returned per kv head; packed: the kernel called
+    per document on views of the rows (two documents and padding in row 0, one in row 1)."""
     from regen_service.train import fa4
+    from regen_service.train.packing import Documents
 
     monkeypatch.setattr(fa4, "_interface", lambda: _TorchFA4())
     g = torch.Generator().manual_seed(heads + steps)
@@ -171,13 +174,17 @@ def test_the_fa4_backend_hands_its_kernel_the_package_layout_and_unrepeated_keys
         return torch.randn(2, t, h, d, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
 
     q = bthd(heads)
-    cache = [(bthd(kv), bthd(kv)) for _ in range(steps)]
+    cache = flash_ttt.TTTCache()
+    cache += [(bthd(kv), bthd(kv)) for _ in range(steps)]
+    if packed:
+        docs = Documents(((4, 3), (9,)), t)
+        cache.segments, cache.doc_ids = docs.segments, docs.doc_ids()
     leaves = [q] + [x for pair in cache for x in pair]
     ref = eager_attention(q, cache, d**-0.5)
     probe = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     want = torch.autograd.grad((ref * probe).sum(), leaves)
     flat = [x for pair in cache[1:] for x in pair]
-    out = flash_ttt._TTTFlash.apply(q, d**-0.5, "fa4", None, cache[0][0], cache[0][1], *flat)
+    out = flash_ttt._TTTFlash.apply(q, d**-0.5, "fa4", None, cache.segments, cache[0][0], cache[0][1], *flat)
     got = torch.autograd.grad((out * probe).sum(), leaves)
     assert float((out - ref).detach().abs().max()) < 1e-5
     for a, b in zip(got, want, strict=True):
